@@ -1,12 +1,15 @@
-"""One layer's attention of a short batch (decode, or the last token and drafts) on a GPU: the Triton kernel that
-reads the paged cache in place (specray.models.triton_attention) against the path it replaces there, which gathers
-every sequence's context, padded to the batch's longest, and attends with SDPA. Llama 3.1 8B's layer shapes (32
-query heads on 8 KV heads of 128, bf16), blocks of 16 handed out in a random order; each sequence's context drawn
-between half the stated length and all of it, so the padding the gather pays for shows. Per cell: the median time
-of a layer's attention (CUDA events) and the bytes the gather allocates; the kernel's rows are checked against
-SDPA's first. On a CPU the kernel runs in Triton's interpreter (numbers meaningless; ``--check`` only).
+"""One layer's paged attention on a GPU: the Triton kernel that reads the cache in place
+(specray.models.triton_attention) against the SDPA path it replaces there. A short batch (decode, or the last token
+and drafts): the SDPA path gathers every sequence's context, padded to the batch's longest; a prompt's chunk that
+continues a context (batch 1 rows): the SDPA path gathers that context (its blocks are not consecutive) and attends
+under a [G*q, ctx] mask, the kernel masks by position. Llama 3.1 8B's layer shapes (32 query heads on 8 KV heads of
+128, bf16), blocks of 16 handed out in a random order; each context drawn between half the stated length and all of
+it, so the padding the gather pays for shows. Per cell: the median time of a layer's attention (CUDA events) and the
+bytes the SDPA path gathers; the kernel's rows are checked against SDPA's first. On a CPU the kernel runs in
+Triton's interpreter (numbers meaningless; ``--check`` only).
 
-    python benchmarks/bench_paged_attention.py --batches 1,8,64,256 --contexts 512,2048,8192 --queries 1,5
+    python benchmarks/bench_paged_attention.py --batches 1,8,64,256 --contexts 512,2048,8192 --queries 1,5 \
+        --chunks 512
     TRITON_INTERPRET=1 python benchmarks/bench_paged_attention.py --device cpu --check  # a smoke run
 """
 
@@ -20,7 +23,7 @@ import time
 import torch
 
 from specray.models import triton_attention
-from specray.models.attention import PagedAttention, build_attention_metadata
+from specray.models.attention import SHORT_QUERY_MAX, PagedAttention, build_attention_metadata
 from specray.models.kv_cache import FullAttentionSpec, KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -30,7 +33,9 @@ def case(batch: int, context: int, queries: int, device: str, dtype: torch.dtype
     """A layer bound to a filled cache and the step's plan and queries."""
     rng = random.Random(seed)
     lens = [rng.randint(context // 2, context) for _ in range(batch)]
-    needed = [-(-n // BLOCK) for n in lens]
+    # short queries end their context; a longer chunk continues one (its context before it)
+    starts = [n if queries > SHORT_QUERY_MAX else n - queries for n in lens]
+    needed = [-(-(s + queries) // BLOCK) for s in starts]
     spec = FullAttentionSpec(num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     cache = KVCache([spec], sum(needed) + 1, BLOCK, dtype, device)
     cache.layer(0).normal_()
@@ -38,8 +43,7 @@ def case(batch: int, context: int, queries: int, device: str, dtype: torch.dtype
     layer.bind_cache(cache.layer(0), BLOCK)
     free = rng.sample(range(1, sum(needed) + 1), sum(needed))
     tables = [[free.pop() for _ in range(n)] for n in needed]
-    meta = build_attention_metadata([queries] * batch, [n - queries for n in lens], tables, BLOCK, device,
-                                    read_in_place=False)
+    meta = build_attention_metadata([queries] * batch, starts, tables, BLOCK, device, read_in_place=False)
     q = torch.randn(batch * queries, HEADS, HEAD_DIM, device=device, dtype=dtype)
     return layer, meta, q
 
@@ -70,6 +74,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--contexts", default="512,2048,8192", help="longest context per sequence")
     parser.add_argument("--queries", default="1,5", help="new tokens per sequence (1: decode; 5: 4 drafts)")
+    parser.add_argument("--chunks", default="512", help="new tokens of a prompt's chunk that continues a context "
+                        "(batch 1 rows; '' for none)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--check", action="store_true", help="tiny shapes, compare only (a CPU's smoke run)")
     args = parser.parse_args()
@@ -77,29 +83,30 @@ def main() -> None:
     if args.device == "cpu":
         triton_attention.ON_CPU = True
     if args.check:
-        args.batches, args.contexts, args.queries, args.repeats = "2", "64", "1,5", 1
-    print("| batch | context | new tokens | kernel ms | gather + SDPA ms | speed-up | gather's bytes |\n"
+        args.batches, args.contexts, args.queries, args.chunks, args.repeats = "2", "64", "1,5", "40", 1
+    print("| batch | context | new tokens | kernel ms | SDPA path ms | speed-up | bytes the SDPA path gathers |\n"
           "|---|---|---|---|---|---|---|")
+    cells = [(b, c, n) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))
+             for n in map(int, args.queries.split(","))]
+    cells += [(1, c, n) for c in map(int, args.contexts.split(",")) for n in map(int, filter(None,
+                                                                                             args.chunks.split(",")))]
     with torch.inference_mode():
-        for batch in map(int, args.batches.split(",")):
-            for context in map(int, args.contexts.split(",")):
-                for queries in map(int, args.queries.split(",")):
-                    layer, meta, q = case(batch, context, queries, args.device, dtype)
-                    assert triton_attention.runs(layer, q), "the kernel does not run here (no Triton, or a CPU)"
-                    ms = {}
-                    for kernel in (True, False):  # the kernel, then SDPA's path (the kernel switched off)
-                        triton_attention.ENABLED = kernel
-                        rows = layer._short(q, meta)
-                        ms[kernel] = float("nan") if args.check else timed(lambda: layer._short(q, meta),
-                                                                            args.device, args.repeats)
-                        if kernel:
-                            ours = rows
-                    triton_attention.ENABLED = True
-                    torch.testing.assert_close(ours.float(), rows.float(), atol=2e-2, rtol=2e-2)
-                    gathered = 2 * batch * meta.short.num_ctx_blocks * BLOCK * KV_HEADS * HEAD_DIM * q.element_size()
-                    print(f"| {batch} | {context} | {queries} | {ms[True]:.3f} | {ms[False]:.3f} | "
-                          f"{ms[False] / ms[True]:.2f}x | {gathered / 2**20:.1f} MiB |")
-
+        for batch, context, queries in cells:
+            layer, meta, q = case(batch, context, queries, args.device, dtype)
+            own = queries > SHORT_QUERY_MAX
+            assert triton_attention.runs(layer, q, own), "the kernel does not run here (no Triton, or a CPU)"
+            step = (lambda: layer._own(q, None, None, meta, 0)) if own else (lambda: layer._short(q, meta))
+            ms, rows = {}, {}
+            for kernel in (True, False):  # the kernel, then SDPA's path (the kernel switched off)
+                triton_attention.ENABLED = kernel
+                rows[kernel] = step()
+                ms[kernel] = float("nan") if args.check else timed(step, args.device, args.repeats)
+            triton_attention.ENABLED = True
+            torch.testing.assert_close(rows[True].float(), rows[False].float(), atol=2e-2, rtol=2e-2)
+            slots = meta.own[0].context_len if own else meta.short.num_ctx_blocks * BLOCK
+            gathered = 2 * batch * slots * KV_HEADS * HEAD_DIM * q.element_size()
+            print(f"| {batch} | {context} | {queries} | {ms[True]:.3f} | {ms[False]:.3f} | "
+                  f"{ms[False] / ms[True]:.2f}x | {gathered / 2**20:.1f} MiB |")
 
 if __name__ == "__main__":
     main()

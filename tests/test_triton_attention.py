@@ -169,6 +169,72 @@ def test_a_rows_attention_does_not_depend_on_the_batch(kernel_on):
         assert torch.equal(rows, together[2 * i: 2 * i + 2])
 
 
+def _own_rows(layer, q, meta, monkeypatch):
+    """Each own sequence's rows from the kernel and from the SDPA path, [q, Hq*D] each."""
+    pairs = []
+    for i, seq in enumerate(meta.own):
+        monkeypatch.setattr(triton_attention, "ENABLED", True)
+        assert triton_attention.runs(layer, q, own=True)
+        ours = layer._own(q, None, None, meta, i)
+        monkeypatch.setattr(triton_attention, "ENABLED", False)
+        pairs.append((ours.float(), layer._own(q, None, None, meta, i).float()))
+    return pairs
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "chunk"])
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_continued_chunks_equal_sdpa(kind, consecutive, kernel_on, monkeypatch):
+    """Chunks of 40 and 24 tokens that continue contexts of 100 and 600 slot indices (the second split in ranges),
+    their blocks consecutive (a view on SDPA's path) or not (gathered there): masked by position in the kernel,
+    keys skipped past the causal bound and before a sliding window or a chunk, equal to the SDPA path."""
+    spec = _spec(kind, 2, 32)
+    layer = PagedAttention(4, spec, 32**-0.5).to(DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    block, lens, starts = 16, [40, 24], [100, 600]
+    cache = KVCache([spec], 64, block, torch.float32, DEVICE)
+    layer.bind_cache(cache.layer(0), block)
+    cache.layer(0).copy_(torch.randn(cache.layer(0).shape, generator=gen))
+    order = list(range(1, 64)) if consecutive else random.Random(9).sample(range(1, 64), 63)
+    tables = [[order.pop(0) for _ in range(-(-(s + n) // block))] for s, n in zip(starts, lens)]
+    meta = build_attention_metadata(lens, starts, tables, block, DEVICE)
+    assert not meta.short and len(meta.own) == 2 and (meta.own[0].first_slot is not None) == consecutive
+    q = torch.randn(sum(lens), 4, 32, generator=gen).to(DEVICE)
+    for ours, ref in _own_rows(layer, q, meta, monkeypatch):
+        torch.testing.assert_close(ours, ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("extra", ["tree", "sinks", "bf16"])
+def test_continued_chunks_with_a_tree_sinks_or_bf16_equal_sdpa(extra, kernel_on, monkeypatch):
+    """A chunk of 20 tree nodes (positions repeat, its [q, ctx] mask read), GPT-OSS's sinks over a chunk split in
+    ranges, and a bf16 chunk with a model of 3 heads on one KV head: equal to the SDPA path."""
+    heads, hkv = (3, 1) if extra == "bf16" else (4, 2)
+    spec = _spec("window" if extra == "sinks" else "causal", hkv, 32)
+    layer = PagedAttention(heads, spec, 32**-0.5, sinks=extra == "sinks").to(DEVICE)
+    if extra == "sinks":
+        layer.sinks.data.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE))
+    dtype = torch.bfloat16 if extra == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(10)
+    block, n, start = 16, 20, 530
+    cache = KVCache([spec], 64, block, dtype, DEVICE)
+    layer.bind_cache(cache.layer(0), block)
+    cache.layer(0).copy_(torch.randn(cache.layer(0).shape, generator=gen).to(dtype))
+    table = random.Random(10).sample(range(1, 64), -(-(start + n) // block))
+    positions = ancestors = None
+    if extra == "tree":  # a root, then pairs of siblings, each pair's parent the previous pair's first
+        depth = [0] + [1 + (j - 1) // 2 for j in range(1, n)]
+        positions = [start + x for x in depth]
+        anc = torch.eye(n, dtype=torch.bool)
+        for j in range(1, n):
+            parent = 0 if j < 3 else 2 * ((j - 1) // 2) - 1
+            anc[j] |= anc[parent]
+        ancestors = [anc]
+    meta = build_attention_metadata([n], [start], [table], block, DEVICE, positions=positions, ancestors=ancestors)
+    assert meta.plain(0) == (extra != "tree")
+    q = torch.randn(n, heads, 32, generator=gen).to(dtype).to(DEVICE)
+    (ours, ref), = _own_rows(layer, q, meta, monkeypatch)
+    torch.testing.assert_close(ours, ref, **TOL[dtype])
+
+
 def test_kernel_not_taken_where_the_layer_reads_otherwise(kernel_on, monkeypatch):
     """An FP8 format the kernel does not decode, a head wider than the kernel's, a subclass with a cache of its own
     (DeepSeek's latent attention), the kernel switched off (SPECRAY_TRITON_ATTENTION=0) and a CPU tensor without
@@ -249,3 +315,22 @@ def test_a_kernel_triton_refuses_on_a_gpu_falls_back_to_sdpa(kernel_on, monkeypa
         assert torch.equal(layer._short(q, meta), ref)
         assert torch.equal(layer._short(q, meta), ref)
     assert len(tries) == 2 and len(caplog.records) == 1 and "does not build" in caplog.text
+
+
+def test_chunked_prefill_through_the_kernel_equals_transformers(tiny_llama_dir, kernel_on, monkeypatch):
+    """Long prompts prefilled in chunks of at most 48 tokens, the chunks after the first attended by the kernel
+    (masked by position), then decoded through it: greedy tokens equal transformers' ``generate``."""
+    from specray_test_engine_runs import PROMPTS, assert_transformers_generates, greedy, token_ids
+
+    from specray import LLM
+
+    calls = []
+    real = triton_attention.own_attention
+    monkeypatch.setattr(triton_attention, "own_attention", lambda *args: calls.append(1) or real(*args))
+    prompts = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in (0, 3)]
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, block_size=4, max_num_batched_tokens=48,
+              enforce_eager=True)
+    assert all(len(llm.get_tokenizer().encode(p)) > 96 for p in prompts)  # three chunks each at least
+    got = token_ids(llm.generate(prompts, greedy(6), use_tqdm=False))
+    assert_transformers_generates(tiny_llama_dir, llm.get_tokenizer(), prompts, got)
+    assert len(calls) >= 2 * 2 * llm.engine.executor.worker.runner.model.config.num_hidden_layers

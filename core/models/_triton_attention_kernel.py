@@ -26,6 +26,7 @@ def paged_short_attention(
     table_ptr, num_blocks, block_size, ctx_ptr,
     mask_ptr, stride_mb, stride_mh, stride_mm, stride_ml,
     MASK_BOOL: tl.constexpr, MASK_UNFOLDED: tl.constexpr,
+    POSITIONAL: tl.constexpr, q_start, window, HAS_WINDOW: tl.constexpr, chunk, HAS_CHUNK: tl.constexpr,
     sink_ptr, HAS_SINKS: tl.constexpr,
     out_ptr, stride_ot,
     part_ptr, stat_ptr, stride_ps, stride_pt, stride_ss, stride_st,
@@ -65,12 +66,19 @@ def paged_short_attention(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     context = tl.load(ctx_ptr + b)
+    first = context * 0
+    last = context
     if SPLIT:  # this program's share: slot indices [split * split_len, (split + 1) * split_len) of its context
-        first = split * split_len
+        first = first + split * split_len
         last = tl.minimum(first + split_len, context)
-    else:
-        first = 0
-        last = context
+    if POSITIONAL:  # query j at position q_start + j, keys at their slot indices: skip the keys no row here sees
+        q_pos = q_start + m % q_len
+        lowest = tl.min(tl.where(row_ok, q_pos, 2147483647), 0)
+        last = tl.minimum(last, tl.max(tl.where(row_ok, q_pos, 0), 0) + 1)  # causal
+        if HAS_WINDOW:
+            first = tl.maximum(first, lowest - window + 1)
+        if HAS_CHUNK:
+            first = tl.maximum(first, lowest // chunk * chunk)
     for start in range(first, last, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)  # slot indices of this tile
         t_ok = t < last
@@ -88,7 +96,14 @@ def paged_short_attention(
             s = cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
         pair_ok = row_ok[:, None] & t_ok[None, :]
         mask_at = mask_ptr + b * stride_mb + h * stride_mh + mask_row[:, None] * stride_mm + t[None, :] * stride_ml
-        if MASK_BOOL:
+        if POSITIONAL:  # MaskKind.allows: causal, and within the window or the chunk
+            allowed = t[None, :] <= q_pos[:, None]
+            if HAS_WINDOW:
+                allowed = allowed & (t[None, :] > q_pos[:, None] - window)
+            if HAS_CHUNK:
+                allowed = allowed & (t[None, :] // chunk == q_pos[:, None] // chunk)
+            s = tl.where(allowed & pair_ok, s, float("-inf"))
+        elif MASK_BOOL:
             allowed = tl.load(mask_at, mask=pair_ok, other=0) != 0
             s = tl.where(allowed, s, float("-inf"))
         else:

@@ -131,7 +131,7 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    def _plain(self, i: int) -> bool:
+    def plain(self, i: int) -> bool:
         """Sequence ``i``'s new tokens sit at positions equal to their slot indices, in causal order."""
         return self.seq_positions is None and (self.ancestors is None or self.ancestors[i] is None)
 
@@ -180,7 +180,7 @@ class AttentionMetadata:
         """Mask of own sequence ``i``: for a fresh prefill [q, q] (None: plain ``is_causal``), else [G*q, ctx]
         over its GQA-folded query rows (None: every row sees the whole context)."""
         seq = self.own[i]
-        if kind == CAUSAL and self._plain(seq.seq_id) and (seq.fresh or seq.query_len == 1):
+        if kind == CAUSAL and self.plain(seq.seq_id) and (seq.fresh or seq.query_len == 1):
             return None
         return self.cached(("own", i, groups, kind), lambda meta: _own_mask(meta, i, kind) if seq.fresh
                            else _own_mask(meta, i, kind).repeat(groups, 1))  # [q, ctx] or [G*q, ctx]
@@ -199,7 +199,7 @@ def _short_mask(meta: AttentionMetadata, kind: MaskKind) -> torch.Tensor:
     q_pos = short.query_positions[:, :, None]  # [Bs, Q, 1]
     length = short.num_ctx_blocks * meta.block_size
     k_idx = torch.arange(length, device=q_pos.device)  # [L]
-    if all(meta._plain(i) for i in short.seq_ids):  # padded context lies past every query position
+    if all(meta.plain(i) for i in short.seq_ids):  # padded context lies past every query position
         return kind.allows(q_pos, k_idx)
     starts = [meta.start_positions[i] for i in short.seq_ids]
     k_pos = short_key_positions(meta)[:, None, :]  # [Bs, 1, L]
@@ -609,6 +609,10 @@ class PagedAttention(nn.Module):
             o = self._attend(q[rows].transpose(0, 1)[None], k_rows.transpose(0, 1)[None],
                              v_rows.transpose(0, 1)[None], mask, is_causal=mask is None)  # [1, Hq, q, D]
             return o[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
+        if select is None and triton_attention.runs(self, q, own=True):  # on a GPU: read in place, by position
+            out = triton_attention.own_attention(self, q, meta, i)
+            if out is not None:  # None: Triton refused the kernel on this GPU (logged)
+                return out
         ks = self._read(self._context(self.k_cache, seq), q.dtype, self.k_scale)  # [1, Hkv, ctx, D]
         vs = self._read(self._context(self.v_cache, seq), q.dtype, self.v_scale)
         o = self._attend(self._fold(q[rows], 1, seq.query_len), ks, vs, mask)  # [1, Hkv, G*q, D]

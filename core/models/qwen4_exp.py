@@ -249,7 +249,7 @@ class QSAAttention(BlockSparseAttention):
         keys = self.index_cache.view(-1, self.block_size, self.index_dim).index_select(0, sb.block_index)
         keys = self._read(keys, queries.dtype).reshape(bs, -1, self.index_dim)  # [Bs, L, Di]
         allowed = meta.short_mask(1, self.mask_kind)[:, 0]  # [Bs, Q, L]
-        chunks = None if all(meta._plain(i) for i in sb.seq_ids) else (
+        chunks = None if all(meta.plain(i) for i in sb.seq_ids) else (
             [meta.start_positions[i] for i in sb.seq_ids], [meta.query_lens[i] for i in sb.seq_ids])
         keep = select(queries.view(bs, q_len, *queries.shape[1:]), keys, allowed, sb.query_positions,
                       meta.short_key_positions(), chunks)
@@ -273,7 +273,7 @@ class QSAAttention(BlockSparseAttention):
         k_pos = own_key_positions(meta, i)
         q_pos = k_pos[seq.start_pos:]
         length, q_len = k_pos.shape[0], seq.query_len
-        chunks = None if meta._plain(seq.seq_id) else ([seq.start_pos], [q_len])
+        chunks = None if meta.plain(seq.seq_id) else ([seq.start_pos], [q_len])
         step = max(1, INDEX_SCORE_ELEMENTS // max(1, length * max(self.num_heads, queries.shape[1])))
         out = []
         for r in range(0, q_len, step):
