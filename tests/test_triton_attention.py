@@ -305,7 +305,7 @@ def test_a_kernel_triton_refuses_on_a_gpu_falls_back_to_sdpa(kernel_on, monkeypa
         tries.append(1)
         raise OutOfResources(300_000, 232_448, "shared memory")
 
-    monkeypatch.setattr(triton_attention._triton(), "paged_short_attention", _AnyGrid(refused))
+    monkeypatch.setattr(triton_attention._triton(), "paged_attention", _AnyGrid(refused))
     monkeypatch.setattr(triton_attention, "_UNBUILT", set())
     with pytest.raises(OutOfResources):
         layer._short(q, meta)

@@ -18,7 +18,7 @@ def _as_read(x, KV_FP8: tl.constexpr, scale, SCALED: tl.constexpr, dtype: tl.con
 
 
 @triton.jit
-def paged_short_attention(
+def paged_attention(
     q_ptr, stride_qt, stride_qh,
     tok_ptr, HAS_TOKEN_INDEX: tl.constexpr,
     k_ptr, v_ptr, stride_kh, stride_ks, stride_vh, stride_vs,

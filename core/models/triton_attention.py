@@ -154,12 +154,11 @@ def own_attention(layer, q: torch.Tensor, meta, i: int) -> torch.Tensor | None:
     if table is None:  # consecutive blocks: their ids
         table = meta.cached(("own-blocks", i), lambda m: _consecutive_blocks(m, i))
     ctx = meta.cached(("own-context-len", i), lambda m: _own_context_len(m, i))
-    rows = q[seq.token_start : seq.token_end]
-    mask, unfolded = None, True
-    if not meta.plain(seq.seq_id):
+    mask = None  # by position
+    if not meta.plain(seq.seq_id):  # [1, 1, q, ctx]
         mask = meta.cached(("own-rows", i, layer.mask_kind), lambda m: m.own_allowed(i, layer.mask_kind))[None, None]
-    return _attend(layer, _Rows(rows, None, table, table.shape[0], ctx, 1, seq.query_len,
-                                seq.context_len, mask, unfolded, q_start=seq.start_pos), meta)
+    return _attend(layer, _Rows(q[seq.token_start : seq.token_end], None, table, table.shape[0], ctx, 1,
+                                seq.query_len, seq.context_len, mask, unfolded=True, q_start=seq.start_pos), meta)
 
 
 def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
@@ -197,7 +196,7 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
         return None
     dummy = r.ctx  # (a pointer the kernel does not read)
     try:
-        kernels.paged_short_attention[(r.bs, hkv * row_tiles, splits)](
+        kernels.paged_attention[(r.bs, hkv * row_tiles, splits)](
             q, q.stride(0), q.stride(1),
             dummy if r.token_index is None else r.token_index, r.token_index is not None,
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
