@@ -36,9 +36,10 @@ def _spec(kind: str, hkv: int, d: int):
 
 
 def _case(layer, spec, block_size: int, dtype, seed: int, tree: bool = False, query_lens=(1, 4, 2),
-          starts=(37, 5, 60), fp8: torch.dtype | None = None, num_blocks: int = 64):
+          starts=(37, 5, 60), fp8: torch.dtype | None = None, num_blocks: int = 64, shift: int = 0):
     """A filled cache bound to ``layer`` (its blocks handed out in a random order; ``fp8``: the values in that
-    format, as bytes), the step's plan and its queries."""
+    format, as bytes), the step's plan and its queries. ``shift``: every new token's position that many below its
+    slot index (a chain's positions given explicitly)."""
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache([spec], num_blocks, block_size, dtype, DEVICE, fp8=fp8)
     layer.bind_cache(cache.layer(0), block_size, fp8)
@@ -57,6 +58,8 @@ def _case(layer, spec, block_size: int, dtype, seed: int, tree: bool = False, qu
             if q >= 3:
                 anc[3:, 1] = True
             ancestors.append(anc)
+    if shift:
+        positions = [s + j - shift for s, q in zip(starts, query_lens) for j in range(q)]
     meta = build_attention_metadata(list(query_lens), list(starts), tables, block_size, DEVICE, positions=positions,
                                     ancestors=ancestors, read_in_place=False)  # long contexts too: the short path
     assert meta.short is not None and not meta.own
@@ -103,11 +106,12 @@ def test_kernel_equals_sdpa_for_other_shapes(head_dim, heads, kv_heads, block_si
     torch.testing.assert_close(ours, ref, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("extra", ["softcap", "sinks", "alibi", "tree"])
+@pytest.mark.parametrize("extra", ["softcap", "sinks", "alibi", "tree", "shifted"])
 def test_kernel_equals_the_layers_own_attention(extra, monkeypatch):
     """Gemma 2's soft cap, GPT-OSS's sinks (explicit attention on the SDPA path), ALiBi's additive bias per KV head
-    (its own short mask) and a token tree's ancestor masks."""
-    spec = _spec("window" if extra == "sinks" else "causal", 2, 32)
+    (its own short mask), a token tree's ancestor masks, and new tokens at positions below their slots (with sinks,
+    the tree and the shift, a sliding window: the keys before each sequence's lowest query's window are skipped)."""
+    spec = _spec("window" if extra in ("sinks", "tree", "shifted") else "causal", 2, 32)
     if extra == "alibi":
         layer = AlibiAttention(6, spec, 32**-0.5, slopes=[2.0 ** -(i + 1) for i in range(6)])
     else:
@@ -116,7 +120,8 @@ def test_kernel_equals_the_layers_own_attention(extra, monkeypatch):
         if extra == "sinks":
             layer.sinks.data.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5]))
     layer = layer.to(DEVICE)
-    q, meta = _case(layer, spec, 4, torch.float32, seed=3, tree=extra == "tree", query_lens=(3, 1, 6))
+    q, meta = _case(layer, spec, 4, torch.float32, seed=3, tree=extra == "tree", query_lens=(3, 1, 6),
+                    shift=3 if extra == "shifted" else 0)
     ours, ref = _both(layer, q, meta, monkeypatch)
     torch.testing.assert_close(ours, ref, **TOL[torch.float32])
 

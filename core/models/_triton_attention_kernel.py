@@ -23,7 +23,7 @@ def paged_attention(
     tok_ptr, HAS_TOKEN_INDEX: tl.constexpr,
     k_ptr, v_ptr, stride_kh, stride_ks, stride_vh, stride_vs,
     KV_FP8: tl.constexpr, k_scale, v_scale, SCALED: tl.constexpr,
-    table_ptr, num_blocks, block_size, ctx_ptr,
+    table_ptr, num_blocks, block_size, ctx_ptr, first_ptr, HAS_FIRST: tl.constexpr,
     mask_ptr, stride_mb, stride_mh, stride_mm, stride_ml,
     MASK_BOOL: tl.constexpr, MASK_UNFOLDED: tl.constexpr,
     POSITIONAL: tl.constexpr, q_start, window, HAS_WINDOW: tl.constexpr, chunk, HAS_CHUNK: tl.constexpr,
@@ -67,10 +67,12 @@ def paged_attention(
 
     context = tl.load(ctx_ptr + b)
     first = context * 0
+    if HAS_FIRST:  # the sequence's first key any of its queries may see (a sliding window's, a local chunk's)
+        first = tl.load(first_ptr + b)
     last = context
     if SPLIT:  # this program's share: slot indices [split * split_len, (split + 1) * split_len) of its context
-        first = first + split * split_len
-        last = tl.minimum(first + split_len, context)
+        first = tl.maximum(first, split * split_len)
+        last = tl.minimum((split + 1) * split_len, context)
     if POSITIONAL:  # query j at position q_start + j, keys at their slot indices: skip the keys no row here sees
         q_pos = q_start + m % q_len
         lowest = tl.min(tl.where(row_ok, q_pos, 2147483647), 0)

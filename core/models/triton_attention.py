@@ -14,7 +14,8 @@ of sequence b lives in cache row ``block_table[b, t // block_size] * block_size 
 ``s = scale * q.k`` in float32 (Gemma 2's soft cap: ``s = cap * tanh(s / cap)``), then masked. The short batch
 takes the layer's own short mask as the SDPA path does (bool or additive as ALiBi's; PagedAttention's own read as
 one row per query, before GQA folding), so every mask kind, a tree's ancestors and a family's own mask mean the
-same here. A chunk in causal order at its slot indices is masked by position in the kernel (``MaskKind.allows``:
+same here; under a sliding window or local chunks a sequence's keys before its lowest query's window or chunk are
+skipped. A chunk in causal order at its slot indices is masked by position in the kernel (``MaskKind.allows``:
 query j at ``q_start + j``), and a tile of rows skips the keys none of them sees (later ones; those before a
 sliding window or the chunk of Llama 4's local attention); any other chunk takes its [q, ctx] mask. Softmax is
 online (flash attention's): with ``m`` the running row maximum and ``l`` the running sum of ``exp(s - m)``, a new
@@ -125,6 +126,7 @@ class _Rows:
     mask: torch.Tensor | None  # [bs, 1 or Hkv, Q or G*Q, L] bool or additive; None: by position (``q_start``)
     unfolded: bool  # the mask's rows are queries (one for the G heads), not folded rows
     q_start: int = 0  # with no mask: query j sits at position q_start + j, keys at their slot index (causal, plain)
+    first: torch.Tensor | None = None  # [bs] int32: each sequence's first key any of its queries may see
 
 
 def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor | None:
@@ -138,8 +140,13 @@ def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor | None:
     unfolded = _keeps_the_base_mask(type(layer))
     mask = meta.short_rows_mask(layer.mask_kind)[:, None] if unfolded else layer.short_mask(meta, q.dtype)
     ctx = meta.cached(("short-context-lens",), _context_lens)  # [Bs] int32
+    kind = layer.mask_kind
+    first = None  # a sliding window or local chunks: the keys before each sequence's are skipped, not masked
+    if kind.window is not None or kind.chunk is not None:
+        first = meta.cached(("short-first-keys", kind), lambda m: _first_keys(m, kind))
     return _attend(layer, _Rows(q, sb.token_index, sb.block_index, sb.num_ctx_blocks, ctx, sb.num_seqs,
-                                sb.max_query_len, sb.num_ctx_blocks * meta.block_size, mask, unfolded), meta)
+                                sb.max_query_len, sb.num_ctx_blocks * meta.block_size, mask, unfolded,
+                                first=first), meta)
 
 
 def own_attention(layer, q: torch.Tensor, meta, i: int) -> torch.Tensor | None:
@@ -191,7 +198,7 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
     kind = layer.mask_kind
     positional = mask is None
     config = (q.dtype, k_cache.dtype, layer.fp8, None if positional else mask.dtype, r.unfolded, block_m, block_n,
-              block_d, splits > 1, sinks is not None, layer.softcap is not None, scaled)
+              block_d, splits > 1, sinks is not None, layer.softcap is not None, scaled, r.first is not None)
     if config in _UNBUILT:
         return None
     dummy = r.ctx  # (a pointer the kernel does not read)
@@ -201,7 +208,7 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
             dummy if r.token_index is None else r.token_index, r.token_index is not None,
             k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             _FP8_CODES[layer.fp8], float(layer.k_scale), float(layer.v_scale), scaled,
-            r.table, r.num_blocks, meta.block_size, r.ctx,
+            r.table, r.num_blocks, meta.block_size, r.ctx, dummy if r.first is None else r.first, r.first is not None,
             dummy if positional else mask, *((0, 0, 0, 0) if positional else (
                 mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0, mask.stride(2), mask.stride(3))),
             not positional and mask.dtype == torch.uint8, r.unfolded,
@@ -234,6 +241,20 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
 def _context_lens(meta) -> torch.Tensor:
     return torch.tensor([meta.context_lens[i] for i in meta.short.seq_ids], dtype=torch.int32,
                         device=meta.short.block_index.device)
+
+
+def _first_keys(meta, kind) -> torch.Tensor:
+    """[Bs] int32: per short sequence, the first slot index any of its queries may see under ``kind`` (the lowest
+    query position's window or chunk; cached keys sit at their slot index), never past its first new token."""
+    firsts = []
+    for i in meta.short.seq_ids:
+        start = meta.start_positions[i]
+        lowest = min(meta.seq_positions[i]) if meta.seq_positions is not None else start
+        bound = lowest - kind.window + 1 if kind.window is not None else 0
+        if kind.chunk is not None:
+            bound = max(bound, lowest // kind.chunk * kind.chunk)
+        firsts.append(min(start, max(0, bound)))
+    return torch.tensor(firsts, dtype=torch.int32, device=meta.short.block_index.device)
 
 
 def _own_context_len(meta, i: int) -> torch.Tensor:
