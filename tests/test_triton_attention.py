@@ -5,6 +5,7 @@ to transformers'. Without a GPU the kernel
 runs in Triton's interpreter, on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -339,3 +340,24 @@ def test_chunked_prefill_through_the_kernel_equals_transformers(tiny_llama_dir, 
     got = token_ids(llm.generate(prompts, greedy(6), use_tqdm=False))
     assert_transformers_generates(tiny_llama_dir, llm.get_tokenizer(), prompts, got)
     assert len(calls) >= 2 * 2 * llm.engine.executor.worker.runner.model.config.num_hidden_layers
+
+
+def test_the_kernels_build_for_gpus():
+    """Every launch the host code makes for a set of layers and steps (tests/kernel_builds.py: short batches and
+    continued chunks in bf16, fp16, fp32 and FP8 caches, with sinks, a soft cap, ALiBi, a tree, windows, local
+    chunks, MQA, head dims 64 to 256, splits) compiles down to a cubin for compute capability 9.0 (the first also
+    for 8.0) within the GPU's shared memory: the paths the interpreter cannot run (16-bit products) are built."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("kernel_builds.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = [json.loads(line) for line in done.stdout.splitlines()]
+    assert all(b["fits"] and b["cubin"] > 0 for b in builds), builds
+    assert {b["arch"] for b in builds} == {80, 90} and {b["kernel"] for b in builds} == {"paged_attention",
+                                                                                         "combine_splits"}
+    assert len({b["case"] for b in builds}) == 7, builds

@@ -33,7 +33,8 @@ It runs where :func:`runs` says so (unless ``SPECRAY_TRITON_ATTENTION=0``): a CU
 (torch's CUDA wheels bring it), a layer that reads its cache as :class:`PagedAttention` does (no latent cache of
 its own), an FP8 cache only from compute capability 8.9. A fresh prefill keeps SDPA's causal kernel. On a CPU the
 SDPA path stays; the tests run this kernel there through Triton's interpreter (``TRITON_INTERPRET=1`` before Triton
-is imported, and :data:`ON_CPU`), against the SDPA path. It has never run on a GPU."""
+is imported, and :data:`ON_CPU`), against the SDPA path, and compile every launch it makes for compute capability
+8.0 and 9.0 (``tests/kernel_builds.py``). It has never run on a GPU."""
 
 from __future__ import annotations
 
