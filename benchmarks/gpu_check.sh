@@ -132,11 +132,13 @@ if [[ $checks == *" real-size "* ]]; then
   step=(benchmarks/bench_gpu_step.py --device cuda --load-format dummy --kv-cache-memory-bytes $((4 << 30))
     --tokens 64 --repeats 2)
   # a layer's short-batch attention: the Triton kernel reading the paged cache in place against gather + SDPA
-  # (written 2026-11-30, never run on a GPU before), then Llama 3.1 8B's steps with it switched off, to set beside
-  # the step rows below (the kernel on)
+  # (written 2026-11-30, never run on a GPU before), then Llama 3.1 8B's and DeepSeek-V2-Lite's steps with it
+  # switched off, to set beside the step rows below (the kernel on)
   bench benchmarks/bench_paged_attention.py | tee "$out/paged-attention.md"
   SPECRAY_TRITON_ATTENTION=0 bench "${step[@]}" --batches 1,8,64 --model "$models/llama3-8b" --modes graphs \
     | tee "$out/step-llama3-8b-sdpa.md"
+  SPECRAY_TRITON_ATTENTION=0 bench "${step[@]}" --batches 1,64 --model "$models/deepseek-v2-lite" --modes graphs \
+    | tee "$out/step-deepseek-v2-lite-sdpa.md"  # its latent attention likewise
   # the kernels one expert block launches, looped and grouped (counted on a CPU only before)
   bench benchmarks/bench_moe_ops.py --device cuda --dtype bfloat16 | tee "$out/moe-ops.md"
   # first, where experts' and latent attention's steps go (the 2026-11-27 run: 4-5x the GPU time their active

@@ -1,11 +1,11 @@
 """Builds the Triton attention kernels for GPUs on a machine without one. The host code
-(specray.models.triton_attention) is run for a set of layers and steps on the CPU with the kernels' launches
-recorded instead of made: short batches and continued chunks; bf16, fp16, fp32 and both FP8 caches; sinks, a soft
-cap, ALiBi's additive bias, a tree's mask, a sliding window, local chunks, MQA, head dims 64 to 256, contexts split
-in ranges. Each recorded launch is then compiled by Triton for compute capability 9.0 (and the first for 8.0 too),
-down to a cubin (Triton's wheel brings ptxas), and its shared memory is held to that GPU's limit. Prints one JSON
-line per build. Run as a script without TRITON_INTERPRET (tests/test_triton_attention.py runs it in a
-subprocess)."""
+(specray.models.triton_attention) is run for a set of layers and steps on the CPU with the kernels' launches recorded
+instead of made: short batches and continued chunks; bf16, fp16, fp32 and both FP8 caches; sinks, a soft cap, ALiBi's
+additive bias, a tree's mask, a sliding window, local chunks, MQA, head dims 64 to 256, DeepSeek's latent attention
+(values 512 wide, keys 576), contexts split in ranges. Each recorded launch is then compiled by Triton for compute
+capability 9.0 (and the first for 8.0 too), down to a cubin (Triton's wheel brings ptxas), and its shared memory is
+held to that GPU's limit. Prints one JSON line per build. Run as a script without TRITON_INTERPRET
+(tests/test_triton_attention.py runs it in a subprocess)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,14 @@ from triton.compiler import ASTSource  # noqa: E402
 from specray.models import triton_attention  # noqa: E402
 from specray.models.alibi import AlibiAttention  # noqa: E402
 from specray.models.attention import PagedAttention, build_attention_metadata  # noqa: E402
-from specray.models.kv_cache import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCache, SlidingWindowSpec  # noqa
+from specray.models.deepseek_v3 import LatentAttention  # noqa: E402
+from specray.models.kv_cache import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCache,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 SHARED_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory a block may take (A100, H100 / H200)
 POINTERS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
@@ -68,6 +75,14 @@ def layer_and_cache(spec, heads: int, dtype, fp8=None, cls=PagedAttention, **kw)
     return layer
 
 
+def latent():
+    spec = MLAAttentionSpec(kv_lora_rank=512, qk_rope_head_dim=64)
+    layer = LatentAttention(16, spec, 192**-0.5, nope=128, v_dim=128)
+    cache = KVCache([spec], 80, 16, torch.bfloat16, "cpu", fp8=torch.float8_e4m3fn)
+    layer.bind_cache(cache.layer(0), 16, torch.float8_e4m3fn)
+    return layer
+
+
 def step(query_lens, starts, tree: bool = False):
     free = random.Random(0).sample(range(1, 80), 79)
     tables = [[free.pop() for _ in range(-(-(s + q) // 16))] for s, q in zip(starts, query_lens)]
@@ -94,6 +109,8 @@ def cases():
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         yield (f"bf16 short, {fp8} cache", layer_and_cache(full, 32, torch.bfloat16, fp8=fp8), step([1, 5], [60, 9]),
                None)
+    yield ("bf16 short, DeepSeek's latent attention (512 + 64, 16 heads), FP8 cache, split", latent(),
+           step([3, 2], [650, 30]), None)
     yield ("bf16 chunk, by position, window, split",
            layer_and_cache(SlidingWindowSpec(num_kv_heads=8, head_dim=128, sliding_window=256), 32, torch.bfloat16),
            step([64], [600]), 0)

@@ -242,19 +242,30 @@ def test_continued_chunks_with_a_tree_sinks_or_bf16_equal_sdpa(extra, kernel_on,
 
 
 def test_kernel_not_taken_where_the_layer_reads_otherwise(kernel_on, monkeypatch):
-    """An FP8 format the kernel does not decode, a head wider than the kernel's, a subclass with a cache of its own
-    (DeepSeek's latent attention), the kernel switched off (SPECRAY_TRITON_ATTENTION=0) and a CPU tensor without
-    the switch keep the SDPA path."""
+    """An FP8 format the kernel does not decode, a head wider than the kernel's, a subclass that binds its cache
+    otherwise without saying how the kernel reads it (``kernel_widths``; DeepSeek's latent attention says so) or
+    reads it otherwise, the kernel switched off (SPECRAY_TRITON_ATTENTION=0) and a CPU tensor without the switch
+    keep the SDPA path."""
     from specray.models.deepseek_v3 import LatentAttention
+
+    class BindsOtherwise(PagedAttention):
+        def bind_cache(self, cache, block_size, fp8=None):
+            super().bind_cache(cache, block_size, fp8)
+
+    class ReadsOtherwise(PagedAttention):
+        def _read(self, x, dtype, scale=1.0):
+            return super()._read(x, dtype, scale)
 
     q = torch.zeros(1, 4, 32, device=DEVICE)
     layer = PagedAttention(4, _spec("causal", 2, 32), 1.0)
     assert triton_attention.runs(layer, q)
     layer.fp8 = torch.float8_e4m3fnuz  # a format the kernel does not decode
     assert not triton_attention.runs(layer, q)
-    wide = PagedAttention(4, _spec("causal", 2, 512), 1.0)
-    assert not triton_attention.runs(wide, torch.zeros(1, 4, 512, device=DEVICE))
-    assert not triton_attention._reads_as_paged_attention(LatentAttention)
+    wide = PagedAttention(4, _spec("causal", 2, 1024), 1.0)
+    assert not triton_attention.runs(wide, torch.zeros(1, 4, 1024, device=DEVICE))
+    assert triton_attention._reads_as_paged_attention(LatentAttention)
+    assert not triton_attention._reads_as_paged_attention(BindsOtherwise)
+    assert not triton_attention._reads_as_paged_attention(ReadsOtherwise)
     plain = PagedAttention(4, _spec("causal", 2, 32), 1.0)
     monkeypatch.setattr(triton_attention, "ENABLED", False)
     assert not triton_attention.runs(plain, q)
@@ -345,8 +356,9 @@ def test_chunked_prefill_through_the_kernel_equals_transformers(tiny_llama_dir, 
 def test_the_kernels_build_for_gpus():
     """Every launch the host code makes for a set of layers and steps (tests/kernel_builds.py: short batches and
     continued chunks in bf16, fp16, fp32 and FP8 caches, with sinks, a soft cap, ALiBi, a tree, windows, local
-    chunks, MQA, head dims 64 to 256, splits) compiles down to a cubin for compute capability 9.0 (the first also
-    for 8.0) within the GPU's shared memory: the paths the interpreter cannot run (16-bit products) are built."""
+    chunks, MQA, head dims 64 to 256, DeepSeek's latent attention, splits) compiles down to a cubin for compute
+    capability 9.0 (the first also for 8.0) within the GPU's shared memory: the paths the interpreter cannot run
+    (16-bit products) are built."""
     import json
     import subprocess
     import sys
@@ -360,4 +372,54 @@ def test_the_kernels_build_for_gpus():
     assert all(b["fits"] and b["cubin"] > 0 for b in builds), builds
     assert {b["arch"] for b in builds} == {80, 90} and {b["kernel"] for b in builds} == {"paged_attention",
                                                                                          "combine_splits"}
-    assert len({b["case"] for b in builds}) == 7, builds
+    assert len({b["case"] for b in builds}) == 8, builds
+
+
+def _latent_layer(fp8=None):
+    """DeepSeek's latent attention at a tiny size (latent 32, RoPE part 16, 4 heads) bound to a filled cache."""
+    from specray.models.deepseek_v3 import LatentAttention
+    from specray.models.kv_cache import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(kv_lora_rank=32, qk_rope_head_dim=16)
+    layer = LatentAttention(4, spec, 48**-0.5, nope=16, v_dim=16).to(DEVICE)
+    cache = KVCache([spec], 80, 16, torch.float32, DEVICE, fp8=fp8)
+    layer.bind_cache(cache.layer(0), 16, fp8)
+    values = torch.randn(cache.layer(0).shape, generator=torch.Generator().manual_seed(11))
+    cache.layer(0).copy_(values if fp8 is None else values.to(fp8).view(torch.uint8))
+    return layer
+
+
+@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn])
+def test_latent_attention_equals_sdpa(fp8, kernel_on, monkeypatch):
+    """DeepSeek's absorbed latent attention (one KV head of latent + RoPE part, the latent its values too, read
+    once): a short batch with a context split in ranges and a tree, and a continued chunk below the unabsorbed
+    threshold, equal to the SDPA path on every head's latent part (the RoPE part of its output is not read)."""
+    layer = _latent_layer(fp8)
+    assert triton_attention.runs(layer, torch.zeros(1, 4, 48, device=DEVICE))
+    gen = torch.Generator().manual_seed(12)
+    free = random.Random(12).sample(range(1, 80), 79)
+    lens, starts = [5, 1, 24], [700, 30, 200]
+    tables = [[free.pop() for _ in range(-(-(s + n) // 16))] for s, n in zip(starts, lens)]
+    positions = [s + min(j, 1) for s, n in zip(starts, lens) for j in range(n)]
+    ancestors = [torch.eye(n, dtype=torch.bool) | (torch.arange(n)[None, :] == 0) for n in lens]
+    meta = build_attention_metadata(lens, starts, tables, 16, DEVICE, positions=positions, ancestors=ancestors,
+                                    read_in_place=False)
+    assert len(meta.own) == 1 and meta.short.num_seqs == 2 and 24 < layer.unabsorbed_from
+    q = torch.randn(sum(lens), 4, 48, generator=gen).to(DEVICE)
+    short = _both(layer, q, meta, monkeypatch)
+    (own,) = _own_rows(layer, q, meta, monkeypatch)
+    for ours, ref in (short, own):
+        torch.testing.assert_close(ours.view(-1, 4, 48)[..., :32], ref.view(-1, 4, 48)[..., :32],
+                                   **TOL[torch.float32])
+
+
+def test_deepseek_greedy_through_the_kernel_equals_transformers(tiny_deepseek_dir, kernel_on, monkeypatch):
+    """A tiny DeepSeek-V3's greedy tokens with its latent attention's short batches attended by the kernel equal
+    transformers' ``generate``, n-gram drafts accepted."""
+    from specray_test_engine_runs import assert_ngram_greedy_equals_transformers
+
+    calls = []
+    real = triton_attention.short_attention
+    monkeypatch.setattr(triton_attention, "short_attention", lambda *args: calls.append(1) or real(*args))
+    assert_ngram_greedy_equals_transformers(tiny_deepseek_dir, max_tokens=8)
+    assert calls

@@ -21,14 +21,15 @@ def _as_read(x, KV_FP8: tl.constexpr, scale, SCALED: tl.constexpr, dtype: tl.con
 def paged_attention(
     q_ptr, stride_qt, stride_qh,
     tok_ptr, HAS_TOKEN_INDEX: tl.constexpr,
-    k_ptr, v_ptr, stride_kh, stride_ks, stride_vh, stride_vs,
+    k_ptr, v_ptr, stride_kh, stride_ks, stride_vh, stride_vs, V_IS_K: tl.constexpr,
+    extra_dim, HAS_EXTRA: tl.constexpr, BLOCK_E: tl.constexpr,
     KV_FP8: tl.constexpr, k_scale, v_scale, SCALED: tl.constexpr,
     table_ptr, num_blocks, block_size, ctx_ptr, first_ptr, HAS_FIRST: tl.constexpr,
     mask_ptr, stride_mb, stride_mh, stride_mm, stride_ml,
     MASK_BOOL: tl.constexpr, MASK_UNFOLDED: tl.constexpr,
     POSITIONAL: tl.constexpr, q_start, window, HAS_WINDOW: tl.constexpr, chunk, HAS_CHUNK: tl.constexpr,
     sink_ptr, HAS_SINKS: tl.constexpr,
-    out_ptr, stride_ot,
+    out_ptr, stride_ot, stride_oh,
     part_ptr, stat_ptr, stride_ps, stride_pt, stride_ss, stride_st,
     split_len, SPLIT: tl.constexpr,
     scale, cap, HAS_CAP: tl.constexpr,
@@ -53,9 +54,13 @@ def paged_attention(
         token = tl.load(tok_ptr + padded_row, mask=row_ok, other=0)
     else:
         token = padded_row
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dd[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_at = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_at + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     dtype = q_ptr.dtype.element_ty
+    if HAS_EXTRA:  # key columns past the values' that join q.k alone (latent attention's RoPE part)
+        ee = tl.arange(0, BLOCK_E)
+        e_ok = ee < extra_dim
+        q_extra = tl.load(q_at + head_dim + ee[None, :], mask=row_ok[:, None] & e_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -93,6 +98,14 @@ def paged_attention(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if HAS_EXTRA:
+            k_extra = tl.load(k_ptr + h * stride_kh + slot[:, None] * stride_ks + head_dim + ee[None, :],
+                              mask=t_ok[:, None] & e_ok[None, :], other=0)
+            k_extra = _as_read(k_extra, KV_FP8, k_scale, SCALED, dtype)
+            if FP32_DOT:
+                s += tl.dot(q_extra.to(tl.float32), tl.trans(k_extra.to(tl.float32)), input_precision="ieee")
+            else:
+                s += tl.dot(q_extra, tl.trans(k_extra))
         s = s * scale
         if HAS_CAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
             s = cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
@@ -117,8 +130,11 @@ def paged_attention(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + h * stride_vh + slot[:, None] * stride_vs + dd[None, :], mask=kv_ok, other=0)
-        v = _as_read(v, KV_FP8, v_scale, SCALED, dtype)
+        if V_IS_K:  # the keys' rows are the values too (latent attention): read once
+            v = k
+        else:
+            v = tl.load(v_ptr + h * stride_vh + slot[:, None] * stride_vs + dd[None, :], mask=kv_ok, other=0)
+            v = _as_read(v, KV_FP8, v_scale, SCALED, dtype)
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -135,14 +151,14 @@ def paged_attention(
         tl.store(stats + 1, l_i, mask=row_ok)
     else:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + padded_row[:, None] * stride_ot + head[:, None] * head_dim + dd[None, :],
+        tl.store(out_ptr + padded_row[:, None] * stride_ot + head[:, None] * stride_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
 def combine_splits(
     part_ptr, stat_ptr, stride_ps, stride_pt, stride_ss, stride_st,
-    out_ptr, stride_ot, num_splits, head_dim,
+    out_ptr, stride_ot, stride_oh, num_splits, head_dim,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per (padded row, query head): o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s
@@ -169,4 +185,4 @@ def combine_splits(
         acc += tl.sum(w[:, None] * part, 0)
     total = tl.sum(denom, 0)
     o = acc / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + row * stride_ot + head * head_dim + dd, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + dd, o.to(out_ptr.dtype.element_ty), mask=d_ok)

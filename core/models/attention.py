@@ -459,6 +459,12 @@ class PagedAttention(nn.Module):
         # an FP8 cache stores k / k_scale and v / v_scale (a checkpoint's calibrated scales: set_kv_scales; else 1)
         self.k_scale = self.v_scale = 1.0
 
+    def kernel_widths(self) -> tuple[int, int, bool]:
+        """How :mod:`~specray.models.triton_attention`'s kernel reads this layer's cache rows: (value width, key
+        columns past it that only join q.k, whether the values are the keys' first columns). Each head's query, key
+        and value are ``head_dim`` wide here; a layer that binds its cache otherwise says how it reads it."""
+        return self.head_dim, 0, False
+
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         """A checkpoint's K and V scales for an FP8 cache (llm-compressor's ``kv_cache_scheme``): values are stored
         divided by them and multiplied back as they are read; a cache in the model's dtype ignores them."""
@@ -599,6 +605,10 @@ class PagedAttention(nn.Module):
              i: int, select: torch.Tensor | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [q_len, Hq*D]; select: [q, ctx] bool, as :meth:`_short`'s
         seq = meta.own[i]
+        if not seq.fresh and select is None and triton_attention.runs(self, q, own=True):
+            out = triton_attention.own_attention(self, q, meta, i)  # on a GPU: read in place, masked by position
+            if out is not None:  # None: Triton refused the kernel on this GPU (logged)
+                return out
         rows = slice(seq.token_start, seq.token_end)
         mask = self.own_mask(meta, i, q.dtype)
         if select is not None:
@@ -609,10 +619,6 @@ class PagedAttention(nn.Module):
             o = self._attend(q[rows].transpose(0, 1)[None], k_rows.transpose(0, 1)[None],
                              v_rows.transpose(0, 1)[None], mask, is_causal=mask is None)  # [1, Hq, q, D]
             return o[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
-        if select is None and triton_attention.runs(self, q, own=True):  # on a GPU: read in place, by position
-            out = triton_attention.own_attention(self, q, meta, i)
-            if out is not None:  # None: Triton refused the kernel on this GPU (logged)
-                return out
         ks = self._read(self._context(self.k_cache, seq), q.dtype, self.k_scale)  # [1, Hkv, ctx, D]
         vs = self._read(self._context(self.v_cache, seq), q.dtype, self.v_scale)
         o = self._attend(self._fold(q[rows], 1, seq.query_len), ks, vs, mask)  # [1, Hkv, G*q, D]

@@ -100,6 +100,10 @@ class LatentAttention(PagedAttention):
         self.k_cache = self.v_cache = self.rows[..., : self.head_dim]
         self.fp8 = fp8
 
+    def kernel_widths(self) -> tuple[int, int, bool]:
+        # the absorbed form: values are each row's latent (R), keys the latent and its RoPE part (R + r)
+        return self.rank, self.head_dim - self.rank, True
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.rows.index_copy_(1, slots, self._stored(k.transpose(0, 1)))  # v is k: one write of whole rows
 

@@ -21,7 +21,10 @@ sliding window or the chunk of Llama 4's local attention); any other chunk takes
 online (flash attention's): with ``m`` the running row maximum and ``l`` the running sum of ``exp(s - m)``, a new
 tile rescales ``l`` and the output accumulator by ``exp(m_old - m_new)``. A sink logit (GPT-OSS) starts a row at
 ``m = sink, l = 1``: it joins the softmax's denominator and adds nothing to the output. An FP8 cache's bytes are
-decoded to the model's dtype and times the checkpoint's scale as ``PagedAttention._read`` does.
+decoded to the model's dtype and times the checkpoint's scale as ``PagedAttention._read`` does. A layer says how
+its rows are read (``kernel_widths``): DeepSeek's absorbed latent attention is one KV head whose keys are each row's
+latent and RoPE part and whose values are the latent alone, so a row is read once for both, and each head's output
+is its latent part (the RoPE part of ``out`` is left unwritten: ``LatentAttention._values`` drops it).
 
 A context past ``SPLIT_TOKENS`` slot indices is attended in ranges of that many (flash decoding: a program per
 range, so a small batch of long contexts still fills the GPU); each range leaves its unnormalised rows and its
@@ -30,11 +33,12 @@ sequence's own context and an empty range weighs exactly 0, so a row's result de
 alone, not on the batch's other sequences (their lengths, the padding to the longest).
 
 It runs where :func:`runs` says so (unless ``SPECRAY_TRITON_ATTENTION=0``): a CUDA tensor and Triton importable
-(torch's CUDA wheels bring it), a layer that reads its cache as :class:`PagedAttention` does (no latent cache of
-its own), an FP8 cache only from compute capability 8.9. A fresh prefill keeps SDPA's causal kernel. On a CPU the
-SDPA path stays; the tests run this kernel there through Triton's interpreter (``TRITON_INTERPRET=1`` before Triton
-is imported, and :data:`ON_CPU`), against the SDPA path, and compile every launch it makes for compute capability
-8.0 and 9.0 (``tests/kernel_builds.py``). It has never run on a GPU."""
+(torch's CUDA wheels bring it), a layer that reads its cache as :class:`PagedAttention` does or says how
+(``kernel_widths``), an FP8 cache only from compute capability 8.9, no sparse pick of keys (DeepSeek-V3.2's). A fresh
+prefill keeps SDPA's causal kernel. On a CPU the SDPA path stays; the tests run this kernel there through Triton's
+interpreter (``TRITON_INTERPRET=1`` before Triton is imported, and :data:`ON_CPU`), against the SDPA path, and
+compile every launch it makes for compute capability 8.0 and 9.0 (``tests/kernel_builds.py``). It has never run on a
+GPU."""
 
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ import torch
 # SPECRAY_TRITON_ATTENTION=0 turns it off (the SDPA path everywhere): it has never run on a GPU
 ENABLED = os.environ.get("SPECRAY_TRITON_ATTENTION", "1") != "0"
 ON_CPU = False  # run on CPU tensors too, through Triton's interpreter (the tests; it needs TRITON_INTERPRET=1)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # the widest value row (DeepSeek's latent: 512) a program holds
+MAX_EXTRA_DIM = 128  # key columns past it (the latent's RoPE part: 64)
 SPLIT_TOKENS = 512  # longer contexts are attended in ranges of this many slot indices, a program each
 # an FP8 cache's format -> the kernel's code for it (0: the model's dtype)
 _FP8_CODES = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -81,7 +86,8 @@ def runs(layer, q: torch.Tensor, own: bool = False) -> bool:
     mask of own sequences to be PagedAttention's."""
     if not ENABLED or not (q.is_cuda or (ON_CPU and q.device.type == "cpu" and interpreting())) or _triton() is None:
         return False
-    if q.dtype not in _DTYPES or layer.head_dim > MAX_HEAD_DIM or layer.fp8 not in _FP8_CODES:
+    value_dim, extra, _ = layer.kernel_widths()
+    if q.dtype not in _DTYPES or value_dim > MAX_HEAD_DIM or extra > MAX_EXTRA_DIM or layer.fp8 not in _FP8_CODES:
         return False
     if layer.fp8 is not None and q.is_cuda and not _decodes_fp8(q.device):
         return False
@@ -104,11 +110,14 @@ def _keeps_the_base_mask(cls: type, method: str = "short_mask") -> bool:
 
 @functools.cache
 def _reads_as_paged_attention(cls: type) -> bool:
-    # a subclass that keeps or reads its cache otherwise (DeepSeek's latent cache) keeps its own path
+    # a subclass that reads its cache otherwise keeps its own path; one that binds it otherwise must say how the
+    # kernel reads its rows (kernel_widths: DeepSeek's latent cache)
     from specray.models.attention import PagedAttention
 
-    return all(getattr(cls, name) is getattr(PagedAttention, name)
-               for name in ("bind_cache", "_read", "_gather", "_attend", "_fold", "_unfold", "_short"))
+    names = ("_read", "_gather", "_attend", "_fold", "_unfold", "_short")
+    if cls.kernel_widths is PagedAttention.kernel_widths:
+        names += ("bind_cache",)
+    return all(getattr(cls, name) is getattr(PagedAttention, name) for name in names)
 
 
 @dataclass
@@ -170,7 +179,8 @@ def own_attention(layer, q: torch.Tensor, meta, i: int) -> torch.Tensor | None:
 
 
 def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
-    groups, hkv, d = layer.groups, layer.num_kv_heads, layer.head_dim
+    groups, hkv = layer.groups, layer.num_kv_heads
+    d, extra, v_is_k = layer.kernel_widths()  # the values' width (each head's output), key columns past it
     q = r.q if r.q.stride(-1) == 1 else r.q.contiguous()
     mask = r.mask
     if mask is not None:
@@ -181,11 +191,12 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
     kernels = _triton()
     triton = kernels.triton
     k_cache, v_cache = layer.k_cache, layer.v_cache  # [Hkv, slots, D]
-    out = q.new_empty(r.bs * r.q_len, layer.num_heads * d)
+    out = q.new_empty(r.bs * r.q_len, layer.num_heads * layer.head_dim)  # a head's extra columns left unwritten
     rows = groups * r.q_len
-    block_m = min(64 if d <= 128 else 32, max(16, triton.next_power_of_2(rows)))  # the accumulator: registers
+    # the accumulator [BLOCK_M, BLOCK_D] in float32 stays in registers; the K tile [BLOCK_N, BLOCK_D] in shared memory
     block_d = max(16, triton.next_power_of_2(d))
-    block_n = 64 if block_d <= 64 else 32
+    block_m = min(64 if block_d <= 128 else 32 if block_d <= 256 else 16, max(16, triton.next_power_of_2(rows)))
+    block_n = 64 if block_d <= 64 else 32 if block_d <= 256 else 16
     row_tiles = triton.cdiv(rows, block_m)
     # contexts past SPLIT_TOKENS go in ranges of that many slot indices, a program each, then combine_splits: the
     # ranges are fixed positions of each sequence's own context, so its rows do not depend on the batch's longest
@@ -199,7 +210,8 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
     kind = layer.mask_kind
     positional = mask is None
     config = (q.dtype, k_cache.dtype, layer.fp8, None if positional else mask.dtype, r.unfolded, block_m, block_n,
-              block_d, splits > 1, sinks is not None, layer.softcap is not None, scaled, r.first is not None)
+              block_d, extra, v_is_k, splits > 1, sinks is not None, layer.softcap is not None, scaled,
+              r.first is not None)
     if config in _UNBUILT:
         return None
     dummy = r.ctx  # (a pointer the kernel does not read)
@@ -207,7 +219,8 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
         kernels.paged_attention[(r.bs, hkv * row_tiles, splits)](
             q, q.stride(0), q.stride(1),
             dummy if r.token_index is None else r.token_index, r.token_index is not None,
-            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), v_is_k,
+            extra, extra > 0, max(16, triton.next_power_of_2(extra)),
             _FP8_CODES[layer.fp8], float(layer.k_scale), float(layer.v_scale), scaled,
             r.table, r.num_blocks, meta.block_size, r.ctx, dummy if r.first is None else r.first, r.first is not None,
             dummy if positional else mask, *((0, 0, 0, 0) if positional else (
@@ -215,7 +228,7 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
             not positional and mask.dtype == torch.uint8, r.unfolded,
             positional, r.q_start, kind.window or 0, kind.window is not None, kind.chunk or 0, kind.chunk is not None,
             dummy if sinks is None else sinks, sinks is not None,
-            out, out.stride(0),
+            out, out.stride(0), layer.head_dim,
             part, stats, part.stride(0), part.stride(1) if splits > 1 else 0, stats.stride(0),
             stats.stride(1) if splits > 1 else 0, SPLIT_TOKENS, splits > 1,
             float(layer.scale), float(layer.softcap or 0.0), layer.softcap is not None,
@@ -228,7 +241,7 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
         if splits > 1:
             kernels.combine_splits[(r.bs * r.q_len, layer.num_heads)](
                 part, stats, part.stride(0), part.stride(1), stats.stride(0), stats.stride(1),
-                out, out.stride(0), splits, d, BLOCK_S=16, BLOCK_D=block_d)
+                out, out.stride(0), layer.head_dim, splits, d, BLOCK_S=16, BLOCK_D=block_d)
     except triton.errors.TritonError as e:  # compiling (or fitting) it for this GPU failed
         if interpreting():  # the tests: a fault of the kernel's, not a GPU's limit
             raise
