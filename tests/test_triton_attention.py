@@ -21,11 +21,16 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _kernel_on_cpu_too(monkeypatch):
+    """The kernel on, on CPU tensors too (through the interpreter); as before after the test."""
+    monkeypatch.setattr(triton_attention, "ON_CPU", True)
+    monkeypatch.setattr(triton_attention, "ENABLED", True)
+    assert triton_attention.interpreting() or DEVICE == "cuda"
+
+
 @pytest.fixture
 def kernel_on(monkeypatch):
-    """The kernel also on CPU tensors (through the interpreter); off again after the test."""
-    monkeypatch.setattr(triton_attention, "ON_CPU", True)
-    assert triton_attention.interpreting() or DEVICE == "cuda"
+    _kernel_on_cpu_too(monkeypatch)
 
 
 def _spec(kind: str, hkv: int, d: int):
@@ -68,13 +73,26 @@ def _case(layer, spec, block_size: int, dtype, seed: int, tree: bool = False, qu
     return q, meta
 
 
+def _kernel_and_sdpa(run, monkeypatch):
+    """``run()`` through the kernel (on CPU tensors too), then through the SDPA path (the kernel switched off)."""
+    _kernel_on_cpu_too(monkeypatch)
+    ours = run()
+    monkeypatch.setattr(triton_attention, "ENABLED", False)  # SDPA's path, on a GPU too
+    return ours, run()
+
+
+def _counted(monkeypatch, name: str) -> list:
+    """Each call of ``triton_attention.<name>`` from now on appends to the list returned."""
+    calls, real = [], getattr(triton_attention, name)
+    monkeypatch.setattr(triton_attention, name, lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
 def _both(layer, q, meta, monkeypatch):
     """The kernel's rows and the SDPA path's, [n, Hq*D] each (the padded rows dropped)."""
-    monkeypatch.setattr(triton_attention, "ON_CPU", True)
+    _kernel_on_cpu_too(monkeypatch)
     assert triton_attention.runs(layer, q)
-    ours = layer._short(q, meta)
-    monkeypatch.setattr(triton_attention, "ENABLED", False)  # SDPA's path, on a GPU too
-    ref = layer._short(q, meta)
+    ours, ref = _kernel_and_sdpa(lambda: layer._short(q, meta), monkeypatch)
     sb = meta.short
     real = sb.out_src if sb.out_src is not None else torch.arange(ours.shape[0], device=ours.device)
     return ours.index_select(0, real).float(), ref.index_select(0, real).float()
@@ -177,14 +195,10 @@ def test_a_rows_attention_does_not_depend_on_the_batch(kernel_on):
 
 def _own_rows(layer, q, meta, monkeypatch):
     """Each own sequence's rows from the kernel and from the SDPA path, [q, Hq*D] each."""
-    pairs = []
-    for i, seq in enumerate(meta.own):
-        monkeypatch.setattr(triton_attention, "ENABLED", True)
-        assert triton_attention.runs(layer, q, own=True)
-        ours = layer._own(q, None, None, meta, i)
-        monkeypatch.setattr(triton_attention, "ENABLED", False)
-        pairs.append((ours.float(), layer._own(q, None, None, meta, i).float()))
-    return pairs
+    _kernel_on_cpu_too(monkeypatch)
+    assert triton_attention.runs(layer, q, own=True)
+    pairs = [_kernel_and_sdpa(lambda: layer._own(q, None, None, meta, i), monkeypatch) for i in range(len(meta.own))]
+    return [(ours.float(), ref.float()) for ours, ref in pairs]
 
 
 @pytest.mark.parametrize("kind", ["causal", "window", "chunk"])
@@ -282,9 +296,7 @@ def test_greedy_through_the_kernel_equals_transformers(tiny_llama_dir, kernel_on
 
     from specray import LLM
 
-    calls = []
-    real = triton_attention.short_attention
-    monkeypatch.setattr(triton_attention, "short_attention", lambda *args: calls.append(1) or real(*args))
+    calls = _counted(monkeypatch, "short_attention")
     for spec, eager in ((CHAIN_NGRAM, True), ({**CHAIN_NGRAM, "num_branches": 2}, False)):
         llm = LLM(model=str(tiny_llama_dir), max_model_len=256, block_size=4, speculative_config=spec,
                   enforce_eager=eager)
@@ -341,9 +353,7 @@ def test_chunked_prefill_through_the_kernel_equals_transformers(tiny_llama_dir, 
 
     from specray import LLM
 
-    calls = []
-    real = triton_attention.own_attention
-    monkeypatch.setattr(triton_attention, "own_attention", lambda *args: calls.append(1) or real(*args))
+    calls = _counted(monkeypatch, "own_attention")
     prompts = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in (0, 3)]
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, block_size=4, max_num_batched_tokens=48,
               enforce_eager=True)
@@ -418,8 +428,6 @@ def test_deepseek_greedy_through_the_kernel_equals_transformers(tiny_deepseek_di
     transformers' ``generate``, n-gram drafts accepted."""
     from specray_test_engine_runs import assert_ngram_greedy_equals_transformers
 
-    calls = []
-    real = triton_attention.short_attention
-    monkeypatch.setattr(triton_attention, "short_attention", lambda *args: calls.append(1) or real(*args))
+    calls = _counted(monkeypatch, "short_attention")
     assert_ngram_greedy_equals_transformers(tiny_deepseek_dir, max_tokens=8)
     assert calls

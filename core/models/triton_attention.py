@@ -132,7 +132,6 @@ class _Rows:
     ctx: torch.Tensor  # [bs] int32 context lengths
     bs: int
     q_len: int
-    length: int  # the longest context, padded (the split count follows it)
     mask: torch.Tensor | None  # [bs, 1 or Hkv, Q or G*Q, L] bool or additive; None: by position (``q_start``)
     unfolded: bool  # the mask's rows are queries (one for the G heads), not folded rows
     q_start: int = 0  # with no mask: query j sits at position q_start + j, keys at their slot index (causal, plain)
@@ -155,8 +154,7 @@ def short_attention(layer, q: torch.Tensor, meta) -> torch.Tensor | None:
     if kind.window is not None or kind.chunk is not None:
         first = meta.cached(("short-first-keys", kind), lambda m: _first_keys(m, kind))
     return _attend(layer, _Rows(q, sb.token_index, sb.block_index, sb.num_ctx_blocks, ctx, sb.num_seqs,
-                                sb.max_query_len, sb.num_ctx_blocks * meta.block_size, mask, unfolded,
-                                first=first), meta)
+                                sb.max_query_len, mask, unfolded, first=first), meta)
 
 
 def own_attention(layer, q: torch.Tensor, meta, i: int) -> torch.Tensor | None:
@@ -175,7 +173,7 @@ def own_attention(layer, q: torch.Tensor, meta, i: int) -> torch.Tensor | None:
     if not meta.plain(seq.seq_id):  # [1, 1, q, ctx]
         mask = meta.cached(("own-rows", i, layer.mask_kind), lambda m: m.own_allowed(i, layer.mask_kind))[None, None]
     return _attend(layer, _Rows(q[seq.token_start : seq.token_end], None, table, table.shape[0], ctx, 1,
-                                seq.query_len, seq.context_len, mask, unfolded=True, q_start=seq.start_pos), meta)
+                                seq.query_len, mask, unfolded=True, q_start=seq.start_pos), meta)
 
 
 def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
@@ -200,7 +198,8 @@ def _attend(layer, r: _Rows, meta) -> torch.Tensor | None:
     row_tiles = triton.cdiv(rows, block_m)
     # contexts past SPLIT_TOKENS go in ranges of that many slot indices, a program each, then combine_splits: the
     # ranges are fixed positions of each sequence's own context, so its rows do not depend on the batch's longest
-    splits = triton.cdiv(r.length, SPLIT_TOKENS) if r.length > SPLIT_TOKENS else 1
+    length = r.num_blocks * meta.block_size  # the longest context's blocks (a range past a context is empty: 0)
+    splits = triton.cdiv(length, SPLIT_TOKENS) if length > SPLIT_TOKENS else 1
     part = stats = out  # (unused without splits)
     if splits > 1:
         part = torch.empty(splits, r.bs * r.q_len, layer.num_heads * d, dtype=torch.float32, device=q.device)
