@@ -42,7 +42,8 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
-from specray.multimodal import TEXT_ONLY, MultiModalInputs, expand_prompt, load_audio, load_image, load_video
+from specray.multimodal import (TEXT_ONLY, MultiModalInputs, audio_clips, expand_prompt, load_audio, load_image,
+                                load_video)
 from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, RUNTIME_IDS, LoRARequest, dynamic_lora_id, read_adapter
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -767,13 +768,56 @@ def _usage(choices: list[_Choice]) -> proto.Usage:
 
 
 class _AudioTextFormat(_Format):
-    """OpenAI's transcription answer: the text, and the usage in tokens (with the speculation counters)."""
+    """OpenAI's transcription answer: the text, and the usage in tokens (with the speculation counters); streamed,
+    ``transcript.text.delta`` events, then ``transcript.text.done`` with the whole text and the usage. The choices
+    are an audio's clips in order (one unless the model takes no audio that long): their texts join with a space
+    where neither side has one, and a stream tells a clip's text once every clip before it is done."""
+
+    done = None  # transcript.text.done ends the stream
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clips: list[_Choice] = []
+        self.current = 0  # the clip being streamed (those before it are done)
+        self.text = ""  # what the stream has told
 
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
-        return {"text": choices[0].output.text,
-                "usage": {"type": "tokens", "input_tokens": usage.prompt_tokens,
-                          "output_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens,
-                          "speculative": usage.speculative.model_dump()}}
+        text = ""
+        for choice in choices:
+            text += _clip_text(text, choice.output.text)
+        return {"text": text, "usage": _audio_usage(usage)}
+
+    def sse(self, event: dict) -> str:
+        return f"event: {event['type']}\n" + proto.sse(event)
+
+    def stream_opening(self, choices: list[_Choice], continuous_usage: bool = False) -> list[dict]:
+        self.clips = choices
+        return []
+
+    def stream_chunk(self, choice: _Choice, continuous_usage: bool = False) -> list[dict]:
+        delta = ""  # the current clip's new text, and past each clip that is done the next one's
+        while self.current < len(self.clips) and self.clips[self.current].output is not None:
+            clip = self.clips[self.current]
+            text, _, _ = clip.take_delta()
+            delta += _clip_text(self.text + delta, text) if clip.sent_chars == len(text) else text
+            if clip.output.finish_reason is None:
+                break
+            self.current += 1
+        self.text += delta
+        return [{"type": "transcript.text.delta", "delta": delta}] if delta else []
+
+    def stream_closing(self, choices: list[_Choice], include_usage: bool) -> list[dict]:
+        return [{"type": "transcript.text.done", "text": self.text, "usage": _audio_usage(_usage(choices))}]
+
+
+def _clip_text(before: str, text: str) -> str:
+    """A clip's text as it follows the text of the clips before it: after a space where neither side has one."""
+    return " " + text if before and text and not before[-1].isspace() and not text[0].isspace() else text
+
+
+def _audio_usage(usage: proto.Usage) -> dict:
+    return {"type": "tokens", "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "speculative": usage.speculative.model_dump()}
 
 
 def audio_instruction(processor: Any, task: str, language: str | None, prompt: str | None) -> str:
@@ -1102,30 +1146,43 @@ class OpenAIServing:
 
     async def _audio_text(self, body: tuple[bytes, str | None], arrival: float, task: str) -> Response:
         """OpenAI's audio transcription (``task`` "transcribe") or translation into English ("translate") of the
-        form's audio file: one greedy-by-default generation from the model's transcription prompt with the audio in
-        it, answered as ``{"text": ..., "usage": ...}`` or as the text alone (``response_format`` "text")."""
+        form's audio file: a greedy-by-default generation from the model's transcription prompt with the audio in
+        it, answered as ``{"text": ..., "usage": ...}`` or as the text alone (``response_format`` "text"), or
+        streamed as OpenAI's ``transcript.text.*`` events. An audio longer than the model takes in one prompt (its
+        processor's ``max_audio_samples``) is cut into clips (:func:`~specray.multimodal.audio_clips`), each a
+        generation of its own, run as a request's choices are (``max_seats_per_request`` at once); their texts
+        join in order, and the usage counts them all."""
         form, audio = proto.parse_audio_form(*body, task)
         lora = await self._resolve_model(form.model)
-        prompt = await self._off_loop(lambda: self._encode_audio_prompt(form, audio, task))
-        proto.check_context(len(prompt.token_ids), None, self.client.max_model_len, "file")
-        limit = self.client.max_model_len - len(prompt.token_ids)
-        if self.config.max_tokens_per_request is not None:
-            limit = min(limit, self.config.max_tokens_per_request)
+        prompts = await self._off_loop(lambda: self._encode_audio_prompts(form, audio, task))
+        longest = max(len(p.token_ids) for p in prompts)
+        proto.check_context(longest, None, self.client.max_model_len, "file")
+        limit = self.client.max_model_len - longest
+        cap = self.config.max_tokens_per_request
+        if cap is not None:  # the request's whole output, shared by its clips
+            if cap < len(prompts):
+                raise proto.bad_request(
+                    f"the audio is cut into {len(prompts)} clips, each the longest this model takes, and this server "
+                    f"allows {cap} output tokens per request (max_tokens_per_request), fewer than one a clip; send "
+                    "a shorter audio", "file")
+            limit = min(limit, cap // len(prompts))
         # the sampling fields a chat request would carry (its messages unused: the prompt is the audio's)
         req = proto.parse_request(proto.ChatCompletionRequest, {
-            "messages": [{"role": "user", "content": ""}], "temperature": form.temperature, "max_tokens": limit})
+            "messages": [{"role": "user", "content": ""}], "temperature": form.temperature, "max_tokens": limit,
+            "stream": form.stream})
         request_id = proto.new_id("trsc")
-        choices = self._choices(req, [prompt], limit, None, request_id, lora=lora)
+        choices = self._choices(req, prompts, limit, None, request_id, lora=lora)
         response = await self._run(req, choices, _AudioTextFormat(request_id, self._response_model(lora),
                                                                   self._logprob_format(req), None), arrival)
-        if form.response_format == "text":
+        if form.response_format == "text" and not form.stream:
             return PlainTextResponse(json.loads(response.body)["text"])
         return response
 
-    def _encode_audio_prompt(self, form: proto.TranscriptionRequest, audio: bytes, task: str) -> _Prompt:
-        """The prompt of an audio request: the processor's own (``transcription_prompt``: Voxtral's) or the chat
-        template's rendering of a user turn holding the audio and the task's instruction (the processor's
-        ``transcription_instruction`` where it names one), the audio in its placeholder."""
+    def _encode_audio_prompts(self, form: proto.TranscriptionRequest, audio: bytes, task: str) -> list[_Prompt]:
+        """The prompts of an audio request, one per clip of the audio (one clip where the model takes it whole):
+        the processor's own (``transcription_prompt``: Voxtral's) or the chat template's rendering of a user turn
+        holding the audio and the task's instruction (the processor's ``transcription_instruction`` where it names
+        one), the clip in its placeholder."""
         processor = getattr(self.client, "image_processor", None)
         if processor is None or getattr(processor, "audio_token_id", None) is None:
             raise proto.bad_request("this model reads no audio: send audio to a model that takes it (the README's "
@@ -1149,11 +1206,22 @@ class OpenAIServing:
                 text = render_chat(tokenizer, messages, True, False, chat_template=template)
         with _user_text_errors("prompt"):
             ids = tokenizer.encode(text, add_special_tokens=False)
-        try:
-            ids, mm = expand_prompt(ids, [], processor, [], [wave])
-        except ValueError as err:
-            raise proto.bad_request(f"file: {err}", "file") from None
-        return _Prompt(text, ids, multimodal=mm)
+        rate, most = processor.sampling_rate, getattr(processor, "max_audio_samples", None)
+        while True:
+            clips = [wave] if most is None else audio_clips(wave, most, rate)
+            prompts = []
+            for clip in clips:
+                try:
+                    clip_ids, mm = expand_prompt(ids, [], processor, [], [clip])
+                except ValueError as err:
+                    raise proto.bad_request(f"file: {err}", "file") from None
+                prompts.append(_Prompt(text, clip_ids, multimodal=mm))
+            # a clip's prompt leaves at least half the context to its text (clips half as long where one at the
+            # model's bound would not: Voxtral's fills its context), down to clips of a second
+            longest = max(len(c) for c in clips)
+            if 2 * max(len(p.token_ids) for p in prompts) <= self.client.max_model_len or longest <= rate:
+                return prompts
+            most = max(rate, longest // 2)
 
     async def _responses(self, body: Any, arrival: float) -> Response:
         """OpenAI's Responses API: the request as a chat completion (:mod:`specray.cluster.openai_responses`)."""

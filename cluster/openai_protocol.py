@@ -1315,13 +1315,6 @@ class TranscriptionRequest(_Strict):
                               "subtitles; send 'json' or 'text'", "response_format")
         return value
 
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, value: bool) -> bool:
-        if value:
-            raise bad_request("stream=true is not served for audio transcriptions; leave it unset", "stream")
-        return value
-
     @field_validator("language")
     @classmethod
     def _language_code(cls, value: str | None) -> str | None:

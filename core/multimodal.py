@@ -140,7 +140,10 @@ class ImageProcessor(Protocol):
 
     # optional, a family that takes audio: ``audio_token_id`` (the placeholder a prompt holds once per audio),
     # ``sampling_rate`` (the rate its waveforms are resampled to) and ``process_audio(waveform: float32 [samples],
-    # mono) -> ProcessedImage`` (as transformers' feature extractor and processor make them)
+    # mono) -> ProcessedImage`` (as transformers' feature extractor and processor make them); and
+    # ``max_audio_samples``, the longest audio one placeholder takes (samples at ``sampling_rate``; a longer one is
+    # refused by ``process_audio``), where the family has such a bound: the OpenAI server's transcriptions cut a
+    # longer file into clips of at most that many (:func:`audio_clips`)
 
 
 class ImageEncoder(Protocol):
@@ -379,6 +382,32 @@ def load_audio(audio: Any, sampling_rate: int, local: bool = True, domains: Coll
         raise ValueError(f"an audio of {len(wave) / sampling_rate:.1f} s: give one of up to {MAX_AUDIO_SECONDS} s "
                          "(cut a longer one)")
     return np.ascontiguousarray(wave, dtype=np.float32)
+
+
+CLIP_SEARCH_SECONDS = 1.0  # a clip of a long audio ends at the quietest point of its last second ...
+CLIP_WINDOW_SECONDS = 0.1  # ... found by the mean square of windows this long
+
+
+def audio_clips(wave: np.ndarray, most: int, rate: int) -> list[np.ndarray]:
+    """A mono waveform cut into consecutive clips of at most ``most`` samples, for a model that takes no longer
+    audio (vLLM's speech-to-text chunking): a clip that cannot hold the rest ends in the middle of the quietest
+    window (the least mean square over ``CLIP_WINDOW_SECONDS``; the last of equals) of its last
+    ``CLIP_SEARCH_SECONDS``, so that a cut falls between words where the audio allows it. The clips are views of
+    ``wave`` whose concatenation is ``wave``; one clip (``wave`` itself) when it fits."""
+    assert most >= 2, most
+    search = max(2, min(int(CLIP_SEARCH_SECONDS * rate), most // 2))  # the span before a clip's end searched
+    width = max(1, min(int(CLIP_WINDOW_SECONDS * rate), search // 2))  # the windows compared within it
+    clips, start = [], 0
+    while wave.shape[0] - start > most:
+        lo = start + most - search  # windows [w, w + width) within [lo, start + most)
+        sums = np.concatenate(([0.0], np.cumsum(np.square(wave[lo : start + most], dtype=np.float64))))
+        energy = sums[width:] - sums[:-width]  # of the window starting at lo + i
+        w = lo + energy.shape[0] - 1 - int(np.argmin(energy[::-1]))  # the last of the quietest: clips long
+        cut = w + width // 2 + 1  # just past the window's middle (a clip never longer than ``most``)
+        clips.append(wave[start:cut])
+        start = cut
+    clips.append(wave[start:])
+    return clips
 
 
 def resample(wave: np.ndarray, rate: float, to_rate: int) -> np.ndarray:

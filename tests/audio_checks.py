@@ -1,5 +1,6 @@
 """Shared pieces of the audio families' tests (Qwen2-Audio, Audio Flamingo 3, Music Flamingo): synthetic audios,
-WAV bytes, the tiny releases' weight spread, and our encoder, processor and expanded prompt for a folder."""
+WAV bytes, the tiny releases' weight spread, our encoder, processor and expanded prompt for a folder, and the
+fingerprints that stand in for a reference's features recorded where it cannot run."""
 
 from __future__ import annotations
 
@@ -80,3 +81,16 @@ def expanded(folder: Path, text: str, audios: list) -> tuple[list[int], MultiMod
     from transformers import AutoTokenizer
 
     return expand_audio(AutoTokenizer.from_pretrained(folder).encode(text), audios, ours(folder)[1])
+
+
+def fingerprint(a: np.ndarray) -> list[float]:
+    """Features told apart without their last bits: their sum and projections on four fixed random directions (a
+    sha256 of the float32 bytes told CPUs apart: the log-mel's FFT rounds its last bit by the CPU's SIMD path). A
+    change of ``d`` moves a projection by about ``|d|``, float rounding by about 1e-4."""
+    a = np.asarray(a, dtype=np.float64).ravel()
+    directions = np.random.default_rng(7).standard_normal((4, a.shape[0]))
+    return [round(float(a.sum()), 4), *(round(float(x), 4) for x in directions @ a)]
+
+
+def same_features(got: np.ndarray, recorded: list[float]) -> bool:
+    return np.allclose(fingerprint(got), recorded, rtol=0, atol=2e-3)

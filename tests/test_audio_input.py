@@ -3,6 +3,7 @@ audio may take, decoding and resampling to the processor's rate, placeholders pa
 families that read audio test their processors, encoders and engine runs in their own files."""
 
 import base64
+import contextlib
 import io
 import json
 import wave
@@ -123,6 +124,31 @@ class ImageAndAudioProcessor(AudioProcessor):
 
     def process(self, image) -> ProcessedImage:
         return ProcessedImage([IMAGE_TOKEN] * 2, {"pixel_values": np.asarray(image, np.float32)})
+
+
+def test_a_long_audio_is_cut_at_its_quiet_points():
+    """audio_clips: clips of at most ``most`` samples whose concatenation is the audio, each cut in the quietest
+    window of its last second (here the pauses between tones), at the latest of equally quiet ones (silence), and
+    one clip, the audio itself, when it fits."""
+    from specray.multimodal import CLIP_WINDOW_SECONDS, audio_clips
+
+    tone = _sine(440, RATE, 0.3).astype(np.float32)
+    pauses = [3.5, 6.9, 10.4]  # seconds: the middle of a 0.2 s pause in the tones, each in a clip's last second
+    wave = np.tile(tone, 50)  # 15 s
+    for p in pauses:
+        wave[int((p - 0.1) * RATE): int((p + 0.1) * RATE)] *= 1e-3
+    most = 4 * RATE
+    clips = audio_clips(wave, most, RATE)
+    assert np.array_equal(np.concatenate(clips), wave) and all(0 < len(c) <= most for c in clips)
+    cuts = np.cumsum([len(c) for c in clips])[:-1] / RATE
+    assert len(clips) == 5 and np.allclose(cuts[:3], pauses, atol=0.06), cuts  # 3.5 in [3, 4], 6.9 in [6.5, 7.5], ...
+    assert cuts[2] + 3 < cuts[3] <= cuts[2] + 4  # no pause in its last second: the quietest of the tones' windows
+    silent = np.zeros(10 * RATE, np.float32)
+    width = int(CLIP_WINDOW_SECONDS * RATE)
+    assert [len(c) for c in audio_clips(silent, most, RATE)[:2]] == [most - width + width // 2 + 1] * 2
+    whole = audio_clips(wave[:most], most, RATE)
+    assert len(whole) == 1 and np.array_equal(whole[0], wave[:most])
+    assert [len(c) for c in audio_clips(np.ones(9, np.float32), 4, RATE)] == [4, 4, 1]
 
 
 def test_placeholders_pair_with_audios_in_order():
@@ -281,10 +307,7 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
     """An OpenAI chat request with an input_audio part (base64 WAV) and one with an audio_url part answer what
     LLM.chat answers for the same messages; an undecodable audio is a 400 naming messages."""
     pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
-    import threading
-
-    import uvicorn
-    from specray_test_openai_helpers import free_port, http_json  # tests/openai_helpers.py
+    from specray_test_openai_helpers import http_json  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -301,6 +324,35 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
     aengine = AsyncLLMEngine(llm.engine)
     app = build_openai_app(AsyncEngineClient(aengine, image_processor=StandInAudio()),
                            ServerConfig("tiny", chat_template=AUDIO_TEMPLATE))
+    try:
+        with _serving(app) as base:
+            chat = f"{base}/v1/chat/completions"
+            body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+                    "return_token_ids": True}
+            status, got = http_json(chat, body)
+            assert status == 200, got
+            assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
+            assert got["prompt_token_ids"] == want.prompt_token_ids
+            url = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{data}"}}
+            as_url = [{**messages[0], "content": [messages[0]["content"][0], url, messages[0]["content"][2]]}]
+            status, got = http_json(chat, {**body, "messages": as_url})
+            assert status == 200 and got["choices"][0]["token_ids"] == want.outputs[0].token_ids, got
+            bad = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+            status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [bad]}]})
+            assert status == 400 and err["error"]["param"] == "messages", err
+            assert "audio could not be decoded" in err["error"]["message"]
+    finally:
+        aengine.shutdown()
+
+
+@contextlib.contextmanager
+def _serving(app):
+    """The app served by uvicorn on a free loopback port, in a thread: yields its base URL."""
+    import threading
+
+    import uvicorn
+    from specray_test_openai_helpers import free_port  # tests/openai_helpers.py
+
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -308,25 +360,10 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
     try:
         while not server.started:
             thread.join(0.02)
-        chat = f"http://127.0.0.1:{port}/v1/chat/completions"
-        body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
-                "return_token_ids": True}
-        status, got = http_json(chat, body)
-        assert status == 200, got
-        assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
-        assert got["prompt_token_ids"] == want.prompt_token_ids
-        url = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{data}"}}
-        as_url = [{**messages[0], "content": [messages[0]["content"][0], url, messages[0]["content"][2]]}]
-        status, got = http_json(chat, {**body, "messages": as_url})
-        assert status == 200 and got["choices"][0]["token_ids"] == want.outputs[0].token_ids, got
-        bad = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
-        status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [bad]}]})
-        assert status == 400 and err["error"]["param"] == "messages", err
-        assert "audio could not be decoded" in err["error"]["message"]
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        aengine.shutdown()
 
 
 def _form(fields: dict[str, str], audio: bytes | None, boundary: str = "specray-form") -> bytes:
@@ -346,13 +383,10 @@ def test_server_transcribes_audio_files(audio_family):
     text alone; what is not served a 400 naming its field."""
     pytest.importorskip("openai")  # (the test's client and the server; not in a GPU image)
     pytest.importorskip("uvicorn")
-    import threading
     import urllib.error
     import urllib.request
 
     import openai
-    import uvicorn
-    from specray_test_openai_helpers import free_port  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, audio_instruction, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -377,54 +411,111 @@ def test_server_transcribes_audio_files(audio_family):
     aengine = AsyncLLMEngine(llm.engine)
     app = build_openai_app(AsyncEngineClient(aengine, image_processor=StandInAudio()),
                            ServerConfig("tiny", chat_template=AUDIO_TEMPLATE))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        while not server.started:
-            thread.join(0.02)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        got = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en")
-        assert got.text == want.outputs[0].text and got.text
-        usage = got.usage.model_dump()
-        assert (usage["type"], usage["input_tokens"], usage["output_tokens"]) == (
-            "tokens", len(want.prompt_token_ids), len(want.outputs[0].token_ids))
-        assert usage["speculative"]["drafts"] >= 0
-        text = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en",
-                                                  response_format="text")
-        assert text == want.outputs[0].text
-        got = client.audio.translations.create(model="tiny", file=("a.wav", data))
-        assert got.text == translated.outputs[0].text
+        with _serving(app) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+            got = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en")
+            assert got.text == want.outputs[0].text and got.text
+            usage = got.usage.model_dump()
+            assert (usage["type"], usage["input_tokens"], usage["output_tokens"]) == (
+                "tokens", len(want.prompt_token_ids), len(want.outputs[0].token_ids))
+            assert usage["speculative"]["drafts"] >= 0
+            text = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en",
+                                                      response_format="text")
+            assert text == want.outputs[0].text
+            got = client.audio.translations.create(model="tiny", file=("a.wav", data))
+            assert got.text == translated.outputs[0].text
 
-        def post(path: str, body: bytes, content_type: str = "multipart/form-data; boundary=specray-form"):
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/audio/{path}", data=body,
-                                         headers={"Content-Type": content_type})
-            try:
-                with urllib.request.urlopen(req, timeout=60) as resp:
-                    return resp.status, resp.read()
-            except urllib.error.HTTPError as err:
-                return err.code, json.loads(err.read())["error"]
+            def post(path: str, body: bytes, content_type: str = "multipart/form-data; boundary=specray-form"):
+                req = urllib.request.Request(f"{base}/v1/audio/{path}", data=body,
+                                             headers={"Content-Type": content_type})
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as resp:
+                        return resp.status, resp.read()
+                except urllib.error.HTTPError as err:
+                    return err.code, json.loads(err.read())["error"]
 
-        for path, body, param, says in [
-            ("transcriptions", _form({"model": "tiny"}, None), "file", "no 'file' field"),
-            ("transcriptions", _form({"response_format": "srt"}, data), "response_format", "'srt' is not served"),
-            ("transcriptions", _form({"timestamp_granularities[]": "word"}, data), "timestamp_granularities",
-             "not served"),
-            ("transcriptions", _form({"language": "English"}, data), "language", "ISO-639-1"),
-            ("transcriptions", _form({"stream": "true"}, data), "stream", "not served"),
-            ("transcriptions", _form({"temperature": "3"}, data), "temperature", "2"),
-            ("transcriptions", _form({"max_tokens": "3"}, data), "max_tokens", "max_tokens"),
-            ("translations", _form({"language": "de"}, data), "language", "always into English"),
-            ("transcriptions", _form({}, b"not audio"), "file", "could not be decoded"),
-        ]:
-            status, err = post(path, body)
-            assert status == 400 and err["param"] == param and says in err["message"], (path, err)
-        status, err = post("transcriptions", b'{"file": "x"}', "application/json")
-        assert status == 400 and "multipart/form-data" in err["message"], err
-        status, _ = post("transcriptions", _form({"model": "tiny"}, data))
-        assert status == 200
+            for path, body, param, says in [
+                ("transcriptions", _form({"model": "tiny"}, None), "file", "no 'file' field"),
+                ("transcriptions", _form({"response_format": "srt"}, data), "response_format", "'srt' is not served"),
+                ("transcriptions", _form({"timestamp_granularities[]": "word"}, data), "timestamp_granularities",
+                 "not served"),
+                ("transcriptions", _form({"language": "English"}, data), "language", "ISO-639-1"),
+                ("transcriptions", _form({"temperature": "3"}, data), "temperature", "2"),
+                ("transcriptions", _form({"max_tokens": "3"}, data), "max_tokens", "max_tokens"),
+                ("translations", _form({"language": "de"}, data), "language", "always into English"),
+                ("transcriptions", _form({}, b"not audio"), "file", "could not be decoded"),
+            ]:
+                status, err = post(path, body)
+                assert status == 400 and err["param"] == param and says in err["message"], (path, err)
+            status, err = post("transcriptions", b'{"file": "x"}', "application/json")
+            assert status == 400 and "multipart/form-data" in err["message"], err
+            status, _ = post("transcriptions", _form({"model": "tiny"}, data))
+            assert status == 200
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        aengine.shutdown()
+
+
+class ClippedAudio(StandInAudio):
+    """The stand-in that takes at most a second of audio in one placeholder (as Qwen2-Audio takes 30 s)."""
+
+    max_audio_samples = RATE
+
+
+def test_server_transcribes_a_long_audio_in_clips(audio_family):
+    """An audio longer than the model takes is transcribed clip by clip (audio_clips: cut at its pauses), each
+    clip's text what LLM.generate gives for the transcription prompt of that clip, joined in order, the usage their
+    sum; streamed (OpenAI's transcript.text.delta events, then transcript.text.done), the same text; the output
+    bound per request shared by the clips, and an audio of more clips than it allows tokens a 400 naming file."""
+    pytest.importorskip("openai")  # (the test's client and the server; not in a GPU image)
+    pytest.importorskip("uvicorn")
+    import openai
+    from specray_test_openai_helpers import http_json  # tests/openai_helpers.py
+
+    from specray.chat import render_chat
+    from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
+    from specray.engine.async_engine import AsyncLLMEngine
+    from specray.multimodal import audio_clips
+
+    tone = _sine(300, RATE, 0.1)
+    wave = np.tile(tone, 25)  # 2.5 s, quiet from 0.75 to 0.85 s and 1.6 to 1.7 s: three clips of at most 1 s
+    wave[int(0.75 * RATE): int(0.85 * RATE)] = 0.0
+    wave[int(1.6 * RATE): int(1.7 * RATE)] = 0.0
+    data = _wav([wave], RATE)
+    clips = audio_clips(load_audio(data, RATE), RATE, RATE)
+    assert len(clips) == 3 and np.allclose(np.cumsum([len(c) for c in clips[:2]]) / RATE, [0.8, 1.65], atol=0.01)
+    llm = LLM(model=str(audio_family), max_model_len=64)
+    tok = llm.get_tokenizer()
+    text = render_chat(tok, [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": (
+        "Transcribe the audio. Its language: en.")}]}], True, False, chat_template=AUDIO_TEMPLATE)
+    ids = tok.encode(text, add_special_tokens=False)
+    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"audio": clip}} for clip in clips]
+    cap = 15  # max_tokens_per_request: 5 a clip, within what the longest clip's prompt leaves of 64
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cap // 3), use_tqdm=False)
+    want = outs[0].outputs[0].text
+    for out in outs[1:]:  # the server's join: a space where neither side has one
+        more = out.outputs[0].text
+        want += " " + more if want and more and not want[-1].isspace() and not more[0].isspace() else more
+    assert want and all(o.outputs[0].text for o in outs)
+    aengine = AsyncLLMEngine(llm.engine)
+    app = build_openai_app(AsyncEngineClient(aengine, image_processor=ClippedAudio()),
+                           ServerConfig("tiny", chat_template=AUDIO_TEMPLATE, max_tokens_per_request=cap))
+    try:
+        with _serving(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            got = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en")
+            assert got.text == want
+            usage = got.usage.model_dump()
+            assert (usage["input_tokens"], usage["output_tokens"]) == (
+                sum(len(o.prompt_token_ids) for o in outs), sum(len(o.outputs[0].token_ids) for o in outs))
+            events = list(client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en",
+                                                             stream=True))
+            assert [e.type for e in events[-1:]] == ["transcript.text.done"] and len(events) > 3
+            assert "".join(e.delta for e in events[:-1]) == events[-1].text == want
+            assert events[-1].usage.output_tokens == usage["output_tokens"]
+            status, err = http_json(f"{url}/v1/audio/transcriptions", _form({}, _wav([np.tile(tone, 200)], RATE)),
+                                    headers={"Content-Type": "multipart/form-data; boundary=specray-form"})
+            assert status == 400 and err["error"]["param"] == "file", err
+            assert "clips" in err["error"]["message"] and "max_tokens_per_request" in err["error"]["message"]
+    finally:
         aengine.shutdown()

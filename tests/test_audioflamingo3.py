@@ -231,6 +231,9 @@ def test_refusals(folder, tmp_path):
 
     processor = ours(folder)[1]
     assert processor.max_windows == MAX_LEN // CHUNK
+    assert processor.max_audio_samples == processor.max_windows * CHUNK * RATE  # the server's transcription clips
+    with pytest.raises(ValueError, match="longer than this model takes"):
+        processor.process_audio(np.zeros(processor.max_audio_samples + 1, np.float32))
     with pytest.raises(ValueError, match=r"4.50 s .* longer than this model takes \(4 s\)"):
         processor.process_audio(waves((4.5,))[0])
     with pytest.raises(ValueError, match="takes audio, not images"):

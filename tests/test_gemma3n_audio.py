@@ -492,6 +492,11 @@ def test_refusals(folder, tmp_path):
     with pytest.raises(ValueError, match="34 rows, more than audio_soft_tokens_per_image=32"):
         processor.process_audio(waves((2.7,))[0])
     assert len(processor.process_audio(waves((2.55,))[0]).embed_rows) == SOFT + 1
+    most = processor.max_audio_samples  # the longest it takes (the server's transcriptions cut clips of it)
+    assert 2.55 * RATE < most < 2.7 * RATE
+    assert len(processor.process_audio(np.zeros(most, np.float32)).embed_rows) == SOFT + 1
+    with pytest.raises(ValueError, match="more than audio_soft_tokens_per_image"):
+        processor.process_audio(np.zeros(most + 1, np.float32))
     with pytest.raises(ValueError, match=r"longer than .* \(30 s"):
         processor.process_audio(np.zeros(480_001, np.float32))
     with pytest.raises(ValueError, match="too short for one frame"):

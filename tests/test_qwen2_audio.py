@@ -285,8 +285,11 @@ def test_refusals(folder, tmp_path):
     from specray.models.qwen2_audio import Qwen2AudioEncoder, Qwen2AudioProcessor
 
     processor = ours(folder)[1]
+    assert processor.max_audio_samples == 3 * RATE  # the server's transcriptions cut clips of it
     with pytest.raises(ValueError, match=r"3.10 s .* longer than this model takes \(3 s\)"):
         processor.process_audio(waves((3.1,))[0])
+    with pytest.raises(ValueError, match="longer than this model takes"):
+        processor.process_audio(np.zeros(3 * RATE + 1, np.float32))
     with pytest.raises(ValueError, match="2 mel frame.* too short .* at least 30 ms"):
         processor.process_audio(np.ones(300, np.float32))
     assert len(processor.process_audio(np.ones(321, np.float32)).replacement) == 1

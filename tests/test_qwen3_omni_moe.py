@@ -396,6 +396,7 @@ def test_mismatches_are_refused(release):
         qo.Qwen3OmniMoeProcessor.from_pretrained(folder, config)
     processor = qo.Qwen3OmniMoeProcessor.from_pretrained(folder, read_config(str(folder)))
     assert processor.sampling_rate == RATE and processor.video is not None  # (videos: tests/test_omni_video.py)
+    assert processor.max_audio_samples is None  # any length (Qwen2.5-Omni's bound not inherited)
     for samples in (100, 200):  # under a hop; no room for the STFT's reflection
         with pytest.raises(ValueError, match=rf"an audio of {samples} samples is too short .*\(at least 201 samples"):
             processor.process_audio(np.zeros(samples, dtype=np.float32))

@@ -49,6 +49,7 @@ hidden size the heads do not divide."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -428,6 +429,23 @@ class Gemma3nAudioProcessor:
         vocab = tokenizer.get_vocab()
         newlines = {n: vocab["\n" * n] for n in range(1, MAX_NEWLINES + 1) if "\n" * n in vocab}
         return cls(AutoFeatureExtractor.from_pretrained(folder), config, replacement, newlines)
+
+    @functools.cached_property
+    def max_audio_samples(self) -> int:
+        """The longest audio it takes: at most ``MAX_SAMPLES``, and no more rows than ``audio_soft_tokens_per_image``
+        (the feature extractor's frames of ``frame_length + 1`` samples every ``hop_length``, over the audio padded
+        to a multiple of ``PAD_MULTIPLE``)."""
+        size, hop = int(self.extractor.frame_length) + 1, int(self.extractor.hop_length)
+
+        def rows(samples: int) -> int:
+            padded = -(-samples // PAD_MULTIPLE) * PAD_MULTIPLE
+            return sub_rows(max(0, (padded - size) // hop + 1), self.audio)
+
+        lo, hi = 1, MAX_SAMPLES  # the most samples whose rows fit: rows() grows with the samples
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if rows(mid) <= self.soft_tokens else (lo, mid - 1)
+        return lo
 
     def process_audio(self, waveform: np.ndarray) -> ProcessedImage:
         """One audio (1-D float32 at ``sampling_rate``) -> its replacement tokens and features."""

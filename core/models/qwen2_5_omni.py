@@ -253,6 +253,11 @@ class Qwen2_5OmniProcessor:
             video = OmniVideo.side(folder, thinker, cls.video_size, cls.video_fps, cls.video_truncate)
         return cls(features, int(_field(thinker, "audio_token_id")), images, **video)
 
+    @property
+    def max_audio_samples(self) -> int | None:
+        """The longest audio one placeholder takes: the feature extractor's ``n_samples``."""
+        return int(self.features.n_samples)
+
     def process(self, image: Any) -> ProcessedImage:
         if self.images is None:
             raise ValueError("this Qwen2.5-Omni checkpoint has no vision tower settings: send the prompt without "
@@ -265,10 +270,11 @@ class Qwen2_5OmniProcessor:
         (``padding="max_length"``) and keeps the audio's frames. Padded here only a few hops past the audio (one
         more than half the STFT's window spans): every frame computed reads the same samples as with full padding
         (the reflection at the end mirrors silence), and the frames of silence that full padding adds sit at the
-        log-mel's floor, below the maximum that sets its range; so each frame of the audio is the same, at a
-        fraction of the cost (a release pads to 300 s)."""
+        log-mel's floor, below the maximum that sets its range; so each frame of the audio is the same (to the
+        FFT's last bit, which some CPUs round otherwise for a shorter padding), at a fraction of the cost (a release
+        pads to 300 s)."""
         waveform = np.asarray(waveform, dtype=np.float32)
-        limit = int(self.features.n_samples)
+        limit = self.max_audio_samples
         if waveform.ndim != 1 or not 0 < waveform.shape[0] <= limit:
             raise ValueError(f"an audio of {list(waveform.shape)} samples: give a mono waveform of 1 to {limit} "
                              f"samples ({limit / self.sampling_rate:g} s at {self.sampling_rate} Hz, the feature "

@@ -65,6 +65,7 @@ class Qwen2AudioProcessor:
         self.extractor = extractor
         self.audio_token_id = audio_token_id(config)
         self.sampling_rate = int(extractor.sampling_rate)
+        self.max_audio_samples = int(extractor.n_samples)  # the feature extractor's window
 
     @classmethod
     def from_pretrained(cls, folder: Path, config: Any) -> Qwen2AudioProcessor:
@@ -72,7 +73,7 @@ class Qwen2AudioProcessor:
 
     def process_audio(self, waveform: np.ndarray) -> ProcessedImage:
         """One audio (1-D float32 at ``sampling_rate``) -> its ``<|AUDIO|>`` tokens and features."""
-        wave = check_waveform(waveform, self.extractor.n_samples, self.sampling_rate,
+        wave = check_waveform(waveform, self.max_audio_samples, self.sampling_rate,
                               "split it into parts of at most that length, each its own audio (transformers' "
                               "Qwen2AudioProcessor would keep only its beginning)")
         out = window_features(self.extractor, [wave])

@@ -263,6 +263,7 @@ class Qwen3OmniMoeProcessor(q25.Qwen2_5OmniProcessor):
     video_size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
     video_fps = 1.0
     video_truncate = False
+    max_audio_samples = None  # any length (no truncation)
 
     @classmethod
     def check_audio_config(cls, audio: Any) -> None:

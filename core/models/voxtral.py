@@ -116,6 +116,7 @@ class VoxtralProcessor:
         self.chunk = int(extractor.n_samples)
         self.frames = int(extractor.nb_max_frames)
         self.tokens_per_chunk, self.most_chunks = tokens_per_chunk, most_chunks
+        self.max_audio_samples = most_chunks * self.chunk  # what the text model's context holds
 
     @classmethod
     def from_pretrained(cls, folder: Path, config: Any) -> VoxtralProcessor:
@@ -182,7 +183,7 @@ class VoxtralProcessor:
     def process_audio(self, waveform: np.ndarray) -> ProcessedImage:
         """One audio (1-D float32 at ``sampling_rate``) -> ``[BEGIN_AUDIO]`` and its ``[AUDIO]`` tokens (those take
         the embeddings), and its windows' features."""
-        wave = check_waveform(waveform, self.most_chunks * self.chunk, self.sampling_rate,
+        wave = check_waveform(waveform, self.max_audio_samples, self.sampling_rate,
                               "split it into parts, each its own audio, or send it to a model of a longer context")
         features = self.features(wave)
         count = features.shape[0] * self.tokens_per_chunk

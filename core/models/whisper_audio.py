@@ -313,11 +313,12 @@ class WindowedAudioProcessor:
         if self.max_windows < 1:
             raise ValueError(f"max_audio_len={max_audio_len} (processor_config.json) is shorter than one window of "
                              f"chunk_length={extractor.chunk_length} s; set it to a multiple of chunk_length")
+        self.max_audio_samples = self.max_windows * self.window
 
     def windows(self, waveform: Any) -> list:
         """The audio cut into windows of ``chunk_length`` seconds (the last one shorter), as transformers' processor
         cuts it; a ValueError for more than ``max_audio_len`` seconds' windows."""
-        wave = check_waveform(waveform, self.max_windows * self.window, self.sampling_rate,
+        wave = check_waveform(waveform, self.max_audio_samples, self.sampling_rate,
                               "split it into parts, each its own audio (transformers' processor would keep only its "
                               "first max_audio_len seconds)")
         return [wave[start: start + self.window] for start in range(0, wave.shape[0], self.window)]
