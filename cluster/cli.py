@@ -124,6 +124,9 @@ def _add_loading_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-mm-per-prompt", type=_json_arg, default=None, metavar="JSON",
                    help="how many images a prompt may hold, e.g. '{\"image\": 4}'; '{\"image\": 0}' serves a "
                    "vision-language model's text alone (vLLM's flag; default: any number)")
+    p.add_argument("--media-io-kwargs", type=_json_arg, default=None, metavar="JSON",
+                   help="how media files are read, e.g. '{\"video\": {\"num_frames\": 16}}': the frames taken from "
+                   "each video file, evenly spaced (vLLM's flag; default 32)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="fp8: K/V stored in one byte each (vLLM's flag; default auto, the model's dtype)")
     p.add_argument("--mamba-ssm-cache-dtype", default=None, choices=list(MAMBA_SSM_CACHE_DTYPES),
@@ -433,7 +436,7 @@ def engine_kwargs(args) -> dict:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format", "trust_remote_code",
                  "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides", "limit_mm_per_prompt",
-                 *_SIZING_FLAGS):
+                 "media_io_kwargs", *_SIZING_FLAGS):
         if getattr(args, flag) is not None:
             kwargs[flag] = getattr(args, flag)
     extra = parse_engine_kwargs(args.engine_kwargs)
@@ -523,7 +526,7 @@ _SERVE_FLAGS = ("model", "served_model_name", "tensor_parallel_size", "spec_meth
                 "enable_auto_tool_choice", "tool_call_parser", "chat_template", "generation_config",
                 "override_generation_config", "scheduling_policy", "gpu_memory_utilization", "load_format",
                 "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides", "limit_mm_per_prompt",
-                "distributed_executor_backend", *_SIZING_FLAGS,
+                "media_io_kwargs", "distributed_executor_backend", *_SIZING_FLAGS,
                 "trust_remote_code", "allowed_origins", "allowed_media_domains", "enable_lora", "lora_modules",
                 "dynamic_lora_loading_path", "max_loras", "max_lora_rank", "max_cpu_loras")
 

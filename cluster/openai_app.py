@@ -43,7 +43,7 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
 from specray.multimodal import (TEXT_ONLY, MultiModalInputs, audio_clips, expand_prompt, load_audio, load_image,
-                                load_video)
+                                load_video, video_frames)
 from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, RUNTIME_IDS, LoRARequest, dynamic_lora_id, read_adapter
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -1370,7 +1370,8 @@ class OpenAIServing:
             domains = self.config.allowed_media_domains
             rate = getattr(processor, "sampling_rate", None)  # (none: expand_prompt refuses audio by name)
             images = [load_image(url, local=False, domains=domains) for url in media["image"]]
-            videos = [load_video(url, local=False, domains=domains) for url in media["video"]]
+            frames = video_frames(processor)
+            videos = [load_video(url, local=False, domains=domains, num_frames=frames) for url in media["video"]]
             audios = [url if rate is None else load_audio(url, rate, local=False, domains=domains)
                       for url in media["audio"]]
             ids, mm = expand_prompt(ids, images, processor, videos, audios)

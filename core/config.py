@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specray.lora import LoRAConfig
-from specray.multimodal import check_mm_limits
+from specray.multimodal import check_media_io_kwargs, check_mm_limits
 from specray.sampling_params import check_seed
 from specray.structured_outputs import check_reasoning_parser
 
@@ -347,6 +347,9 @@ class EngineArgs:
     # vLLM's: how many images a prompt may hold ({"image": N}; None: any number); {"image": 0} serves a
     # vision-language release's text alone (no vision encoder loaded, images refused)
     limit_mm_per_prompt: dict[str, int] | None = None
+    # vLLM's: how media files are read, per kind: {"video": {"num_frames": 16}} takes 16 frames, evenly spaced, from
+    # each video file (32 by default); frames given as a list or an array are taken as given
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
     # vLLM's: "auto" keeps K/V in the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" stores each value in one
     # byte (over the checkpoint's K/V scales, else 1; clamped to the format's range): twice a bf16 cache's tokens in
     # the same memory, at some accuracy
@@ -438,6 +441,7 @@ class EngineArgs:
             raise ValueError(f"hf_overrides={self.hf_overrides!r:.100} must be a dict of config.json attributes, e.g. "
                              "{'max_position_embeddings': 65536}")
         check_mm_limits(self.limit_mm_per_prompt)
+        check_media_io_kwargs(self.media_io_kwargs)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)} ('auto': "
                              "the model's dtype; the others store K/V in that FP8 format)")

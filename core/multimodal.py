@@ -136,7 +136,8 @@ class ImageProcessor(Protocol):
 
     # optional, a family that takes videos: ``video_token_id`` (the placeholder a prompt holds once per video) and
     # ``process_video(frames: list[PIL image]) -> ProcessedImage`` (its tokens and tensors, as transformers' video
-    # processor and processor make them); ``rope_positions`` then gets its items too (``item.modality == "video"``)
+    # processor and processor make them); ``rope_positions`` then gets its items too (``item.modality == "video"``);
+    # the engine sets ``num_frames`` on it where ``media_io_kwargs`` names one (:func:`video_frames`)
 
     # optional, a family that takes audio: ``audio_token_id`` (the placeholder a prompt holds once per audio),
     # ``sampling_rate`` (the rate its waveforms are resampled to) and ``process_audio(waveform: float32 [samples],
@@ -311,15 +312,17 @@ class VideoFrames(list):
     fps: float | None = None
 
 
-def load_video(video: Any, local: bool = True, domains: Collection[str] | None = None) -> VideoFrames:
+def load_video(video: Any, local: bool = True, domains: Collection[str] | None = None,
+               num_frames: int = VIDEO_FRAMES) -> VideoFrames:
     """A video's frames as RGB PIL images, in order: from a list of frames (each what :func:`load_image` takes) or
     an array [T, H, W, 3] of uint8 (vLLM's form), the frames as given; or from a video file (bytes, a ``data:`` URL,
-    an http(s) URL, a path: :func:`media_bytes`), :data:`VIDEO_FRAMES` frames evenly spaced over it."""
+    an http(s) URL, a path: :func:`media_bytes`), ``num_frames`` frames evenly spaced over it (all of a shorter
+    one)."""
     from PIL import Image
 
     fps = getattr(video, "fps", None)  # (frames loaded before keep their rate)
     if isinstance(video, (bytes, bytearray, str, os.PathLike)):
-        frames = decode_video(media_bytes(video, VIDEO, local, domains))
+        frames = decode_video(media_bytes(video, VIDEO, local, domains), num_frames)
         fps = frames.fps
     elif isinstance(video, np.ndarray):
         if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
@@ -516,7 +519,7 @@ def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor,
     for slot, kind in slots:
         item = given[kind].pop(0)
         done = (processor.process(load_image(item)) if kind == IMAGE else
-                processor.process_video(load_video(item)) if kind == VIDEO else
+                processor.process_video(load_video(item, num_frames=video_frames(processor))) if kind == VIDEO else
                 processor.process_audio(load_audio(item, processor.sampling_rate)))
         out.extend(token_ids[last:slot])
         items.append(MultiModalItem(kind, len(out), len(done.replacement), item_hash(kind, done.data), done.data,
@@ -532,6 +535,31 @@ def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor,
     if rope is not None:
         mm.rope_positions, mm.rope_delta = rope
     return out, mm
+
+
+MEDIA_IO_KEYS = {VIDEO: ("num_frames",)}  # what media_io_kwargs may set, per kind
+
+
+def check_media_io_kwargs(kwargs: Any) -> None:
+    """``media_io_kwargs`` (vLLM's): None, or how media files are read, per kind: ``{"video": {"num_frames": N}}``
+    takes N frames, evenly spaced, from each video file (:data:`VIDEO_FRAMES` by default; 1 to
+    :data:`MAX_VIDEO_FRAMES`)."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(kind in MEDIA_IO_KEYS and isinstance(v, dict) and set(v) <= set(
+            MEDIA_IO_KEYS[kind]) for kind, v in kwargs.items()):
+        raise ValueError(f"media_io_kwargs={kwargs!r:.100} must map a kind to its settings, of "
+                         f"{ {k: list(v) for k, v in MEDIA_IO_KEYS.items()} }, e.g. {{'video': {{'num_frames': 16}}}}")
+    frames = kwargs.get(VIDEO, {}).get("num_frames", VIDEO_FRAMES)
+    if isinstance(frames, bool) or not isinstance(frames, int) or not 0 < frames <= MAX_VIDEO_FRAMES:
+        raise ValueError(f"media_io_kwargs video num_frames={frames!r} must be an int from 1 to {MAX_VIDEO_FRAMES} "
+                         "(the frames taken from each video file)")
+
+
+def video_frames(processor: Any) -> int:
+    """The frames taken from each video file for ``processor``'s model: its ``num_frames``, set from the engine's
+    ``media_io_kwargs`` (:func:`specray.models.loader.engine_image_processor`), else :data:`VIDEO_FRAMES`."""
+    return getattr(processor, "num_frames", None) or VIDEO_FRAMES
 
 
 def check_mm_limits(limits: Any) -> None:

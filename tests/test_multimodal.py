@@ -20,6 +20,7 @@ import specray.engine.builder as builder
 import specray.models.loader as loader
 from specray import LLM, SamplingParams
 from specray.chat import split_media
+from specray.config import EngineArgs
 from specray.multimodal import (MAX_IMAGE_BYTES, MultiModalInputs, MultiModalItem, ProcessedImage, expand_prompt,
                                 images_of, load_image, load_video, media_of, step_rows)
 
@@ -682,6 +683,12 @@ def test_video_files_decode_to_evenly_spaced_frames(tmp_path):
     assert len(frames) == VIDEO_FRAMES and levels[0] == 0 and levels[-1] == VIDEO_FRAMES + 8
     assert levels == sorted(levels) and len(set(levels)) == VIDEO_FRAMES
     assert [int(round(np.asarray(f).mean() / 5)) for f in decode_video(_mp4(5))] == [0, 1, 2, 3, 4]
+    assert [int(round(np.asarray(f).mean() / 5)) for f in load_video(_mp4(9), num_frames=4)] == [0, 3, 5, 8]
+    for bad, says in [({"video": {"num_frames": 0}}, "num_frames=0 must be an int from 1"),
+                      ({"video": {"num_frames": True}}, "num_frames=True"),
+                      ({"video": {"fps": 2}}, "must map a kind to its settings"), ({"image": {}}, "must map a kind")]:
+        with pytest.raises(ValueError, match=says):
+            EngineArgs(model="m", media_io_kwargs=bad)
     (tmp_path / "v.mp4").write_bytes(_mp4(3))
     url = "data:video/mp4;base64," + base64.b64encode(_mp4(3)).decode()
     assert [len(load_video(v)) for v in (str(tmp_path / "v.mp4"), url, _mp4(3))] == [3, 3, 3]
@@ -706,31 +713,35 @@ class ChatVideoProcessor(VideoProcessor):
 
 def test_server_chat_with_video_url_equals_llm_chat(tmp_path, vision):
     """An OpenAI chat request with a video_url part (vLLM's; a data: URL of an MP4) beside an image_url part
-    answers what LLM.chat answers for the same messages; an undecodable video is a 400 naming messages."""
+    answers what LLM.chat answers for the same messages, each taking the frames media_io_kwargs names (3 of the
+    video's 6); an undecodable video is a 400 naming messages."""
     pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
     import uvicorn
     from specray_test_openai_helpers import free_port, http_json  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
+    from specray.models.loader import engine_image_processor
     from tests.conftest import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "tiny", "llama", extra_special_tokens=("<image>", "<video>"))
     vision["processor"] = ChatVideoProcessor
-    video = "data:video/mp4;base64," + base64.b64encode(_mp4(4, seed=3)).decode()
+    video = "data:video/mp4;base64," + base64.b64encode(_mp4(6, seed=3)).decode()
     image = "data:image/png;base64," + base64.b64encode(_png(_image(21))).decode()
     messages = [{"role": "user", "content": [{"type": "text", "text": "The quick"},
                                              {"type": "video_url", "video_url": {"url": video}},
                                              {"type": "image_url", "image_url": {"url": image}},
                                              {"type": "text", "text": " brown fox"}]}]
-    llm = LLM(model=str(folder), max_model_len=64)
+    llm = LLM(model=str(folder), max_model_len=64, media_io_kwargs={"video": {"num_frames": 3}})
     assert llm.get_tokenizer().convert_tokens_to_ids(["<image>", "<video>"]) == [3, 4]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = llm.chat(messages, params, use_tqdm=False, chat_template=MEDIA_TEMPLATE)[0]
-    assert want.prompt_token_ids.count(4) == 8 and want.prompt_token_ids.count(3) == 6  # 4 frames, 1 image
+    assert want.prompt_token_ids.count(4) == 6 and want.prompt_token_ids.count(3) == 6  # 3 frames, 1 image
 
     aengine = AsyncLLMEngine(llm.engine)
-    app = build_openai_app(AsyncEngineClient(aengine, image_processor=ChatVideoProcessor()),
+    processor = engine_image_processor(llm.engine_args)  # (as the Serve app builds the server's)
+    assert processor.num_frames == 3
+    app = build_openai_app(AsyncEngineClient(aengine, image_processor=processor),
                            ServerConfig("tiny", chat_template=MEDIA_TEMPLATE))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

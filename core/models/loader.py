@@ -88,7 +88,7 @@ from specray.models.moe import SparseMoE, is_expert_tensor, is_per_expert_tensor
 from specray.models.interface import CausalLM
 from specray.models.layers import LinearBase, int_linears, keep_quantized_weights, quantize_linears
 from specray.models.plain_config import PlainConfig, plain_config
-from specray.multimodal import text_only
+from specray.multimodal import VIDEO, text_only
 from specray.models.registry import (get_model_class, multimodal_classes, supported_architectures, text_part,
                                      text_tensors)
 from specray.parallel import PPGroup, TPGroup
@@ -609,10 +609,15 @@ def load_image_processor(model: str | os.PathLike, config: PlainConfig | None = 
 
 def engine_image_processor(args):
     """The image processor of the engine ``args``' checkpoint (:func:`load_image_processor`), None where it serves
-    no images, videos or audio (a text model, or its encoders turned off: ``limit_mm_per_prompt`` of 0)."""
+    no images, videos or audio (a text model, or its encoders turned off: ``limit_mm_per_prompt`` of 0); with the
+    frames ``media_io_kwargs`` takes from a video file (:func:`specray.multimodal.video_frames`)."""
     if text_only(args.limit_mm_per_prompt):
         return None
-    return load_image_processor(args.model, read_config(args.model, args.trust_remote_code, args.hf_overrides))
+    processor = load_image_processor(args.model, read_config(args.model, args.trust_remote_code, args.hf_overrides))
+    frames = (args.media_io_kwargs or {}).get(VIDEO, {}).get("num_frames")
+    if processor is not None and frames is not None:
+        processor.num_frames = frames
+    return processor
 
 
 @torch.no_grad()
