@@ -60,8 +60,8 @@ FEATURES = {"feature_extractor_type": "GraniteSpeechFeatureExtractor", "processo
             "sampling_rate": RATE, "n_fft": 512, "win_length": 400, "hop_length": 160, "n_mels": 80,
             "projector_window_size": 15, "projector_downsample_rate": 5}
 # transformers' input_features for each audio alone, recorded with torchaudio 2.11.1: sha256 digests of the float32
-# bytes until 2026-11-30, when an AVX-512 VM's last bits differed; since, the fingerprints of the features our
-# unchanged code gives there (which had matched those digests bit for bit)
+# bytes until 2026-11-30, when an AVX-512 VM's last bits differed; since, the fingerprints of the features there
+# (ours, equal bit for bit to transformers' in the live check on that VM)
 FINGERPRINTS = [[9645.084, -151.3741, 14.9634, -20.3602, -168.9433],
                 [16457.8999, -62.2958, -189.5009, 72.2323, 165.0259]]
 PLUS_CAT = [0, 2, 3]  # the plus model's concatenated states: the input projection's, after the mid block, block 3

@@ -75,13 +75,14 @@ def _build(path: Path, config_class, model_class, seed: int, **fields) -> Path:
 
 
 def build_tiny_phi4mm(path: Path, seed: int = 130) -> Path:
-    """transformers' Phi4MultimodalForCausalLM: the text model with one-layer image and audio encoders."""
+    """transformers' Phi4MultimodalForCausalLM: the text model with one-layer image and audio encoders (16 mel bins,
+    2 past the subsampling: a config the audio encoder is built from)."""
     from transformers import Phi4MultimodalConfig, Phi4MultimodalForCausalLM as HFPhi4
 
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14, crop_size=28)
     audio = dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2, ext_pw_out_channel=32,
-                 depthwise_separable_out_channel=32, nemo_conv_channels=32, input_size=16)
+                 depthwise_separable_out_channel=32, nemo_conv_channels=32, input_size=16, nemo_final_size=2)
     return _build(path, Phi4MultimodalConfig, HFPhi4, seed, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   original_max_position_embeddings=512, sliding_window=WINDOW, rope_parameters=dict(PHI4_ROPE),

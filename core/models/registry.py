@@ -442,12 +442,15 @@ _MODEL_TYPES["aria_text"] = "AriaTextForCausalLM"
 _TEXT_PARTS["AriaForConditionalGeneration"] = (
     (re.compile(r"^(?:language_model\.model|model\.language_model)\."), "model."),
     (re.compile(r"^(?:language_model\.)?lm_head\."), "lm_head."))
-# Phi-4-multimodal's text model: Phi-3's layers served text-only; its image and audio encoders
-# (``model.embed_tokens_extend.``) and its projections' built-in vision / speech LoRA adapters are not read, the base
-# weights (the release's ``base_layer``) serve text (specray.models.phi4_multimodal). Its config is flat (no
-# text_config): the architecture is served by the text class itself. Phi4MMForCausalLM / phi4mm: the release's own
-# layout (its config class is remote code)
+# Phi-4-multimodal's text model: Phi-3's layers; its image encoder (``model.embed_tokens_extend.image_embed.``) and
+# its projections' built-in vision / speech LoRA adapters are not read, the base weights (the release's
+# ``base_layer``) serve text (specray.models.phi4_multimodal). Its config is flat (no text_config): the architecture is
+# served by the text class itself. transformers' layout takes audio: its Conformer encoder and speech projector
+# (``model.embed_tokens_extend.audio_embed.``) into the <|audio|> rows (specray.models.phi4_multimodal_audio).
+# Phi4MMForCausalLM / phi4mm: the release's own layout (its config class is remote code), text only
 _ARCHITECTURES["Phi4MultimodalForCausalLM"] = "specray.models.phi4_multimodal:Phi4MultimodalForCausalLM"
+_MULTIMODAL["Phi4MultimodalForCausalLM"] = ("specray.models.phi4_multimodal_audio:Phi4MultimodalAudioEncoder",
+                                            "specray.models.phi4_multimodal_audio:Phi4MultimodalAudioProcessor")
 _ARCHITECTURES["Phi4MMForCausalLM"] = "specray.models.phi4_multimodal:Phi4MultimodalForCausalLM"
 _MODEL_TYPES["phi4_multimodal"] = "Phi4MultimodalForCausalLM"
 _MODEL_TYPES["phi4mm"] = "Phi4MMForCausalLM"
