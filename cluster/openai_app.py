@@ -771,20 +771,26 @@ class _AudioTextFormat(_Format):
     """OpenAI's transcription answer: the text, and the usage in tokens (with the speculation counters); streamed,
     ``transcript.text.delta`` events, then ``transcript.text.done`` with the whole text and the usage. The choices
     are an audio's clips in order (one unless the model takes no audio that long): their texts join with a space
-    where neither side has one, and a stream tells a clip's text once every clip before it is done."""
+    where neither side has one, and a stream tells a clip's text once every clip before it is done. ``transcript``:
+    the transcript in a generation's text so far (a processor's ``transcription_text``: Qwen3-ASR's drops the
+    language it writes first), each one extending the last; None: the text as it is."""
 
     done = None  # transcript.text.done ends the stream
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, transcript: Callable[[str], str] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.transcript = transcript
         self.clips: list[_Choice] = []
         self.current = 0  # the clip being streamed (those before it are done)
         self.text = ""  # what the stream has told
 
+    def _transcript(self, choice: _Choice) -> str:
+        return choice.output.text if self.transcript is None else self.transcript(choice.output.text)
+
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
         text = ""
         for choice in choices:
-            text += _clip_text(text, choice.output.text)
+            text += _clip_text(text, self._transcript(choice))
         return {"text": text, "usage": _audio_usage(usage)}
 
     def sse(self, event: dict) -> str:
@@ -798,8 +804,10 @@ class _AudioTextFormat(_Format):
         delta = ""  # the current clip's new text, and past each clip that is done the next one's
         while self.current < len(self.clips) and self.clips[self.current].output is not None:
             clip = self.clips[self.current]
-            text, _, _ = clip.take_delta()
-            delta += _clip_text(self.text + delta, text) if clip.sent_chars == len(text) else text
+            shown = self._transcript(clip)
+            text, first = shown[clip.sent_chars:], clip.sent_chars == 0
+            clip.sent_chars = len(shown)
+            delta += _clip_text(self.text + delta, text) if first else text
             if clip.output.finish_reason is None:
                 break
             self.current += 1
@@ -1172,15 +1180,18 @@ class OpenAIServing:
             "stream": form.stream})
         request_id = proto.new_id("trsc")
         choices = self._choices(req, prompts, limit, None, request_id, lora=lora)
-        response = await self._run(req, choices, _AudioTextFormat(request_id, self._response_model(lora),
-                                                                  self._logprob_format(req), None), arrival)
+        transcript = getattr(getattr(self.client, "image_processor", None), "transcription_text", None)
+        fmt = _AudioTextFormat(request_id, self._response_model(lora), self._logprob_format(req), None,
+                               transcript=transcript)
+        response = await self._run(req, choices, fmt, arrival)
         if form.response_format == "text" and not form.stream:
             return PlainTextResponse(json.loads(response.body)["text"])
         return response
 
     def _encode_audio_prompts(self, form: proto.TranscriptionRequest, audio: bytes, task: str) -> list[_Prompt]:
         """The prompts of an audio request, one per clip of the audio (one clip where the model takes it whole):
-        the processor's own (``transcription_prompt``: Voxtral's) or the chat template's rendering of a user turn
+        the processor's own (``transcription_prompt``: Voxtral's), or the chat template's rendering of the
+        processor's chat (``transcription_messages``, its last turn continued: Qwen3-ASR's) or of a user turn
         holding the audio and the task's instruction (the processor's ``transcription_instruction`` where it names
         one), the clip in its placeholder."""
         processor = getattr(self.client, "image_processor", None)
@@ -1200,10 +1211,17 @@ class OpenAIServing:
             if template is None and not getattr(tokenizer, "chat_template", None):
                 raise proto.bad_request("this model's tokenizer has no chat template to write a transcription "
                                         "prompt with; start the server with --chat-template FILE", "file")
-            instruction = audio_instruction(processor, task, form.language, form.prompt)
-            messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction}]}]
+            chat = getattr(processor, "transcription_messages", None)
+            if chat is not None:
+                try:
+                    messages = chat(task, form.language, form.prompt)
+                except ValueError as err:
+                    raise proto.bad_request(str(err), "language" if task == "transcribe" else None) from None
+            else:
+                instruction = audio_instruction(processor, task, form.language, form.prompt)
+                messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction}]}]
             with _user_text_errors("prompt"):
-                text = render_chat(tokenizer, messages, True, False, chat_template=template)
+                text = render_chat(tokenizer, messages, chat is None, chat is not None, chat_template=template)
         with _user_text_errors("prompt"):
             ids = tokenizer.encode(text, add_special_tokens=False)
         rate, most = processor.sampling_rate, getattr(processor, "max_audio_samples", None)

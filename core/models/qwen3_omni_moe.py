@@ -110,7 +110,11 @@ def _window(audio: Any) -> int:
 
 class AudioTower(nn.Module):
     """Qwen3-Omni's audio encoder (``audio_config``): windowed 2D convolutions, attention within spans of windows,
-    projected into the text model's width (``output_dim``)."""
+    projected into the text model's width (``output_dim``). ``whole_windows``: a short last window is zero-padded to
+    a whole one even when the audio is shorter than one (Qwen3-ASR's feature extractor pads its mel frames so), not
+    to the audio's own longest."""
+
+    whole_windows = False
 
     def __init__(self, audio: Any, text_hidden: int):
         super().__init__()
@@ -162,7 +166,7 @@ class AudioTower(nn.Module):
         dim], the rows of the audio's longest window)."""
         frames = features.shape[-1]
         whole, tail = divmod(frames, self.window)
-        width = self.window if whole else tail
+        width = self.window if whole or self.whole_windows else tail
         count = whole + (1 if tail else 0)
         x = F.pad(features.to(self.conv_out.weight.dtype), (0, count * width - frames))
         x = x.reshape(self.mel, count, width).transpose(0, 1)[:, None]  # [windows, 1, mel, width]

@@ -762,6 +762,13 @@ _MULTIMODAL.update(dict.fromkeys(("Qwen3OmniMoeThinkerForConditionalGeneration",
                                   "Qwen3OmniMoeForConditionalGeneration"),
                                  ("specray.models.qwen3_omni_moe:Qwen3OmniMoeEncoder",
                                   "specray.models.qwen3_omni_moe:Qwen3OmniMoeProcessor")))
+# Qwen3-ASR: a Qwen3 text model (text_config) under model.language_model.* and lm_head.*, Qwen3-Omni's audio encoder
+# (model.audio_tower.*) with its projector moved out (model.multi_modal_projector.*) into the <|audio_pad|> rows
+# (specray.models.qwen3_asr)
+_TEXT_PARTS["Qwen3ASRForConditionalGeneration"] = ((re.compile(r"^model\.language_model\."), "model."),
+                                                   (re.compile(r"^lm_head\."), "lm_head."))
+_MULTIMODAL["Qwen3ASRForConditionalGeneration"] = ("specray.models.qwen3_asr:Qwen3ASREncoder",
+                                                   "specray.models.qwen3_asr:Qwen3ASRProcessor")
 
 # granite-vision-3.x (LLaVA-NeXT with a Granite text model; LLaVA 1.5's and LLaVA-OneVision's layouts alike): the
 # whole model's plain lm_head does not divide by the Granite text config's logits_scaling, as transformers computes
