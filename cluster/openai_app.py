@@ -1191,7 +1191,8 @@ class OpenAIServing:
     def _encode_audio_prompts(self, form: proto.TranscriptionRequest, audio: bytes, task: str) -> list[_Prompt]:
         """The prompts of an audio request, one per clip of the audio (one clip where the model takes it whole):
         the processor's own (``transcription_prompt``: Voxtral's), or the chat template's rendering of the
-        processor's chat (``transcription_messages``, its last turn continued: Qwen3-ASR's) or of a user turn
+        processor's chat (``transcription_messages``: Qwen3-ASR's, its last turn, the assistant's, continued;
+        OmniASR's) or of a user turn
         holding the audio and the task's instruction (the processor's ``transcription_instruction`` where it names
         one), the clip in its placeholder."""
         processor = getattr(self.client, "image_processor", None)
@@ -1220,8 +1221,9 @@ class OpenAIServing:
             else:
                 instruction = audio_instruction(processor, task, form.language, form.prompt)
                 messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction}]}]
+            answer_begun = messages[-1]["role"] == "assistant"  # (continued: Qwen3-ASR's forced language)
             with _user_text_errors("prompt"):
-                text = render_chat(tokenizer, messages, chat is None, chat is not None, chat_template=template)
+                text = render_chat(tokenizer, messages, not answer_begun, answer_begun, chat_template=template)
         with _user_text_errors("prompt"):
             ids = tokenizer.encode(text, add_special_tokens=False)
         rate, most = processor.sampling_rate, getattr(processor, "max_audio_samples", None)

@@ -769,6 +769,12 @@ _TEXT_PARTS["Qwen3ASRForConditionalGeneration"] = ((re.compile(r"^model\.languag
                                                    (re.compile(r"^lm_head\."), "lm_head."))
 _MULTIMODAL["Qwen3ASRForConditionalGeneration"] = ("specray.models.qwen3_asr:Qwen3ASREncoder",
                                                    "specray.models.qwen3_asr:Qwen3ASRProcessor")
+# OmniASR's LLM recognisers: a Llama text model (text_config) under model.language_model.* and lm_head.*, a wav2vec 2.0
+# encoder over the raw waveform (model.audio_tower.*) and one linear (model.multi_modal_projector) into its audio
+# placeholder's rows (specray.models.omniasr)
+_TEXT_PARTS["OmniASRForConditionalGeneration"] = _TEXT_PARTS["Qwen3ASRForConditionalGeneration"]
+_MULTIMODAL["OmniASRForConditionalGeneration"] = ("specray.models.omniasr:OmniASREncoder",
+                                                  "specray.models.omniasr:OmniASRProcessor")
 
 # granite-vision-3.x (LLaVA-NeXT with a Granite text model; LLaVA 1.5's and LLaVA-OneVision's layouts alike): the
 # whole model's plain lm_head does not divide by the Granite text config's logits_scaling, as transformers computes
