@@ -775,6 +775,12 @@ _MULTIMODAL["Qwen3ASRForConditionalGeneration"] = ("specray.models.qwen3_asr:Qwe
 _TEXT_PARTS["OmniASRForConditionalGeneration"] = _TEXT_PARTS["Qwen3ASRForConditionalGeneration"]
 _MULTIMODAL["OmniASRForConditionalGeneration"] = ("specray.models.omniasr:OmniASREncoder",
                                                   "specray.models.omniasr:OmniASRProcessor")
+# Fun-ASR-Nano: a Qwen3 text model (text_config) under model.language_model.* and lm_head.*, SenseVoice's SAN-M
+# encoder (model.audio_tower.*) over Kaldi filterbanks stacked at a low frame rate, and the projector with its adaptor
+# layers (model.multi_modal_projector.*) into the audio placeholder's rows (specray.models.fun_asr_nano)
+_TEXT_PARTS["FunAsrNanoForConditionalGeneration"] = _TEXT_PARTS["Qwen3ASRForConditionalGeneration"]
+_MULTIMODAL["FunAsrNanoForConditionalGeneration"] = ("specray.models.fun_asr_nano:FunAsrNanoEncoder",
+                                                     "specray.models.fun_asr_nano:FunAsrNanoProcessor")
 
 # granite-vision-3.x (LLaVA-NeXT with a Granite text model; LLaVA 1.5's and LLaVA-OneVision's layouts alike): the
 # whole model's plain lm_head does not divide by the Granite text config's logits_scaling, as transformers computes
