@@ -94,3 +94,38 @@ def fingerprint(a: np.ndarray) -> list[float]:
 
 def same_features(got: np.ndarray, recorded: list[float]) -> bool:
     return np.allclose(fingerprint(got), recorded, rtol=0, atol=2e-3)
+
+
+def tone_waves(lengths) -> list[np.ndarray]:
+    """Synthetic audios of ``lengths`` samples at 16 kHz: three tones and noise, numpy seed 0."""
+    rng = np.random.default_rng(0)
+    out = []
+    for n in lengths:
+        t = np.arange(n) / RATE
+        tones = sum(rng.uniform(0.05, 0.3) * np.sin(2 * np.pi * rng.uniform(80, 4000) * t) for _ in range(3))
+        out.append((tones + 0.05 * rng.standard_normal(n)).astype(np.float32))
+    return out
+
+
+def draw_visible(model, parts: tuple[str, ...] = ("audio_tower", "multi_modal_projector"), seed: int = 1) -> None:
+    """Every parameter of ``model`` under ``parts`` drawn away from its init, so that each of them shows in the
+    outputs: norm weights around one, vectors small, matrices at unit gain."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(part in name for part in parts):
+                noise = torch.randn(p.shape, generator=gen)
+                norm = ("norm" in name or "ln_" in name) and name.endswith("weight")
+                p.copy_(1.0 + 0.2 * noise if norm else 0.1 * noise if p.dim() == 1
+                        else noise / max(p[0].numel(), 1) ** 0.5)
+
+
+def expand_in(folder: Path, text: str, audios: list, rate: int = RATE) -> tuple[list[int], MultiModalInputs]:
+    """``text`` in the folder's tokenizer with each audio placeholder expanded by the checkpoint's processor (as the
+    engine loads it), the audios given at ``rate``."""
+    from transformers import AutoTokenizer
+
+    from specray.models.loader import load_image_processor
+
+    return expand_prompt(AutoTokenizer.from_pretrained(str(folder)).encode(text), [],
+                         load_image_processor(str(folder)), audios=[(w, rate) for w in audios])

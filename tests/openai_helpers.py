@@ -3,6 +3,7 @@ tests/test_openai_app.py (the app on a fake engine)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -15,6 +16,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app):
+    """``app`` served by uvicorn on a free loopback port, in a thread: yields its base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            thread.join(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def http_json(url: str, body: dict | bytes | None = None, timeout: float = 60.0,

@@ -3,7 +3,6 @@ audio may take, decoding and resampling to the processor's rate, placeholders pa
 families that read audio test their processors, encoders and engine runs in their own files."""
 
 import base64
-import contextlib
 import io
 import json
 import wave
@@ -307,7 +306,7 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
     """An OpenAI chat request with an input_audio part (base64 WAV) and one with an audio_url part answer what
     LLM.chat answers for the same messages; an undecodable audio is a 400 naming messages."""
     pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
-    from specray_test_openai_helpers import http_json  # tests/openai_helpers.py
+    from specray_test_openai_helpers import http_json, serving  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -325,7 +324,7 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
     app = build_openai_app(AsyncEngineClient(aengine, image_processor=StandInAudio()),
                            ServerConfig("tiny", chat_template=AUDIO_TEMPLATE))
     try:
-        with _serving(app) as base:
+        with serving(app) as base:
             chat = f"{base}/v1/chat/completions"
             body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
                     "return_token_ids": True}
@@ -343,27 +342,6 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
             assert "audio could not be decoded" in err["error"]["message"]
     finally:
         aengine.shutdown()
-
-
-@contextlib.contextmanager
-def _serving(app):
-    """The app served by uvicorn on a free loopback port, in a thread: yields its base URL."""
-    import threading
-
-    import uvicorn
-    from specray_test_openai_helpers import free_port  # tests/openai_helpers.py
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            thread.join(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def _form(fields: dict[str, str], audio: bytes | None, boundary: str = "specray-form") -> bytes:
@@ -387,6 +365,7 @@ def test_server_transcribes_audio_files(audio_family):
     import urllib.request
 
     import openai
+    from specray_test_openai_helpers import serving  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, audio_instruction, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -412,7 +391,7 @@ def test_server_transcribes_audio_files(audio_family):
     app = build_openai_app(AsyncEngineClient(aengine, image_processor=StandInAudio()),
                            ServerConfig("tiny", chat_template=AUDIO_TEMPLATE))
     try:
-        with _serving(app) as base:
+        with serving(app) as base:
             client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
             got = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en")
             assert got.text == want.outputs[0].text and got.text
@@ -470,7 +449,7 @@ def test_server_transcribes_a_long_audio_in_clips(audio_family):
     pytest.importorskip("openai")  # (the test's client and the server; not in a GPU image)
     pytest.importorskip("uvicorn")
     import openai
-    from specray_test_openai_helpers import http_json  # tests/openai_helpers.py
+    from specray_test_openai_helpers import http_json, serving  # tests/openai_helpers.py
 
     from specray.chat import render_chat
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
@@ -501,7 +480,7 @@ def test_server_transcribes_a_long_audio_in_clips(audio_family):
     app = build_openai_app(AsyncEngineClient(aengine, image_processor=ClippedAudio()),
                            ServerConfig("tiny", chat_template=AUDIO_TEMPLATE, max_tokens_per_request=cap))
     try:
-        with _serving(app) as url:
+        with serving(app) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
             got = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en")
             assert got.text == want

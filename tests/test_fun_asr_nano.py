@@ -25,10 +25,11 @@ import pytest
 import torch
 
 from specray.models import fun_asr_nano as fa
-from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
-from specray.multimodal import MultiModalInputs, expand_prompt
-from specray_test_audio_checks import same_features
-from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, image_logits  # tests/image_checks.py
+from specray.models.loader import load_image_processor, load_model
+from specray.multimodal import MultiModalInputs
+from specray_test_audio_checks import draw_visible, expand_in, same_features, tone_waves
+from specray_test_image_checks import (assert_ranks_equal_one_rank, config_with, encoded,  # tests/image_checks.py
+                                      image_logits)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
@@ -47,14 +48,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "adaptive": False}
 
 
-def waves(lengths=tuple(LENGTHS)) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)
-    out = []
-    for n in lengths:
-        t = np.arange(n) / RATE
-        tones = sum(rng.uniform(0.05, 0.3) * np.sin(2 * np.pi * rng.uniform(80, 4000) * t) for _ in range(3))
-        out.append((tones + 0.05 * rng.standard_normal(n)).astype(np.float32))
-    return out
+def waves() -> list[np.ndarray]:
+    return tone_waves(LENGTHS)
 
 
 def build_release(path: Path, seed: int = 0):
@@ -78,14 +73,7 @@ def build_release(path: Path, seed: int = 0):
                               audio_token_id=tok.convert_tokens_to_ids(AUDIO), initializer_range=0.2)
     torch.manual_seed(seed)
     model = FunAsrNanoForConditionalGeneration(config).float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "audio_tower" in name or "multi_modal_projector" in name:
-                noise = torch.randn(p.shape, generator=gen)
-                norm = "layernorm" in name and name.endswith("weight")
-                p.copy_(1.0 + 0.2 * noise if norm else 0.1 * noise if p.dim() == 1
-                        else noise / max(p[0].numel(), 1) ** 0.5)
+    draw_visible(model, seed=seed + 1)
     model.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps({"feature_extractor_type": "FunAsrNanoFeatureExtractor",
                                                                "feature_size": MEL}))
@@ -95,19 +83,6 @@ def build_release(path: Path, seed: int = 0):
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     return build_release(tmp_path_factory.mktemp("fun_asr_nano"))
-
-
-def expand(folder: Path, text: str, audios: list[np.ndarray]) -> tuple[list[int], MultiModalInputs]:
-    from transformers import AutoTokenizer
-
-    return expand_prompt(AutoTokenizer.from_pretrained(str(folder)).encode(text), [],
-                         load_image_processor(str(folder)), audios=[(w, RATE) for w in audios])
-
-
-def encoded(folder: Path, mm: MultiModalInputs) -> list[torch.Tensor]:
-    encoder = load_image_encoder(str(folder), read_config(str(folder)), torch.float32, "cpu")
-    with torch.no_grad():
-        return [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
 
 
 def hf_features(mm: MultiModalInputs, i: int = 0) -> dict:
@@ -164,7 +139,7 @@ def test_encoder_equals_transformers_audio_features(release):
     """Each audio's placeholder becomes one token per stacked row; its embeddings equal ``get_audio_features``'
     pooled output over the same rows."""
     folder, hf = release
-    ids, mm = expand(folder, "Hi " + AUDIO + " and " + AUDIO, waves())
+    ids, mm = expand_in(folder, "Hi " + AUDIO + " and " + AUDIO, waves())
     assert [i.length for i in mm.items] == ROWS
     for i, ours in enumerate(encoded(folder, mm)):
         with torch.no_grad():
@@ -175,7 +150,7 @@ def test_encoder_equals_transformers_audio_features(release):
 @torch.no_grad()
 def test_logits_with_an_audio_equal_transformers(release):
     folder, hf = release
-    ids, mm = expand(folder, "Hello " + AUDIO + " world", waves()[:1])
+    ids, mm = expand_in(folder, "Hello " + AUDIO + " world", waves()[:1])
     extra = [17, 42, 99]
     want = hf(input_ids=torch.tensor([ids + extra]), **hf_features(mm)).logits[0]
     first = mm.items[0].offset + 5
@@ -185,7 +160,7 @@ def test_logits_with_an_audio_equal_transformers(release):
 
 def test_two_ranks_equal_one_rank(release, tmp_path):
     folder, _ = release
-    ids, mm = expand(folder, "Hi " + AUDIO + " and " + AUDIO, waves())
+    ids, mm = expand_in(folder, "Hi " + AUDIO + " and " + AUDIO, waves())
     first = mm.items[0].offset + 3
     assert_ranks_equal_one_rank(tmp_path, [(folder, ids, mm, [first, len(ids) - first])], 1, TOL)
 
@@ -196,7 +171,7 @@ def test_engine_greedy_with_audio_equals_transformers(release):
     folder, hf = release
     text = "Hello " + AUDIO + " world"
     llm = LLM(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=12, speculative_config=NGRAM)
-    ids, mm = expand(folder, text, waves()[:1])
+    ids, mm = expand_in(folder, text, waves()[:1])
     runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
     runs.assert_images_greedy_equals_transformers(llm, hf, None, text, [(waves()[0], RATE)], modality="audio",
                                                   inputs={"input_ids": torch.tensor([ids]), **hf_features(mm)},

@@ -395,8 +395,7 @@ def test_server_chat_with_image_url_equals_llm_chat(image_chat_dir, vision):
     """An OpenAI chat request with an image_url part (a data: URL) answers what LLM.chat answers for the same
     messages (which the engine test above ties to transformers); a bad image is a 400 naming messages."""
     pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
-    import uvicorn
-    from specray_test_openai_helpers import free_port, http_json  # tests/openai_helpers.py
+    from specray_test_openai_helpers import http_json, serving  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -420,37 +419,30 @@ def test_server_chat_with_image_url_equals_llm_chat(image_chat_dir, vision):
     aengine = AsyncLLMEngine(llm.engine)
     app = build_openai_app(AsyncEngineClient(aengine, image_processor=ChatProcessor()),
                            ServerConfig("tiny", chat_template=IMAGE_TEMPLATE))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        while not server.started:
-            thread.join(0.02)
-        chat = f"http://127.0.0.1:{port}/v1/chat/completions"
-        body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
-                "return_token_ids": True}
-        status, got = http_json(chat, body)
-        assert status == 200, got
-        assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
-        assert got["prompt_token_ids"] == want.prompt_token_ids
-        responses = {"model": "tiny", "temperature": 0, "max_output_tokens": 8, "store": False,
-                     "input": [{"role": "user", "content": [{"type": "input_text", "text": "The quick"},
-                                                            {"type": "input_image", "image_url": url},
-                                                            {"type": "input_text", "text": " brown fox"}]}]}
-        status, got = http_json(f"http://127.0.0.1:{port}/v1/responses", responses)
-        assert status == 200, got
-        assert got["output"][-1]["content"][0]["text"] == until_eos
-        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-        status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [part]}]})
-        assert status == 400 and err["error"]["param"] == "messages", err
-        assert "could not be decoded" in err["error"]["message"]
-        audio = {**body, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}
-        status, err = http_json(chat, audio)
-        assert status == 400 and "input_audio" in err["error"]["message"]
+        with serving(app) as base:
+            chat = f"{base}/v1/chat/completions"
+            body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+                    "return_token_ids": True}
+            status, got = http_json(chat, body)
+            assert status == 200, got
+            assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
+            assert got["prompt_token_ids"] == want.prompt_token_ids
+            responses = {"model": "tiny", "temperature": 0, "max_output_tokens": 8, "store": False,
+                         "input": [{"role": "user", "content": [{"type": "input_text", "text": "The quick"},
+                                                                {"type": "input_image", "image_url": url},
+                                                                {"type": "input_text", "text": " brown fox"}]}]}
+            status, got = http_json(f"{base}/v1/responses", responses)
+            assert status == 200, got
+            assert got["output"][-1]["content"][0]["text"] == until_eos
+            part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+            status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [part]}]})
+            assert status == 400 and err["error"]["param"] == "messages", err
+            assert "could not be decoded" in err["error"]["message"]
+            audio = {**body, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}
+            status, err = http_json(chat, audio)
+            assert status == 400 and "input_audio" in err["error"]["message"]
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
         aengine.shutdown()
 
 
@@ -716,8 +708,7 @@ def test_server_chat_with_video_url_equals_llm_chat(tmp_path, vision):
     answers what LLM.chat answers for the same messages, each taking the frames media_io_kwargs names (3 of the
     video's 6); an undecodable video is a 400 naming messages."""
     pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
-    import uvicorn
-    from specray_test_openai_helpers import free_port, http_json  # tests/openai_helpers.py
+    from specray_test_openai_helpers import http_json, serving  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -743,25 +734,18 @@ def test_server_chat_with_video_url_equals_llm_chat(tmp_path, vision):
     assert processor.num_frames == 3
     app = build_openai_app(AsyncEngineClient(aengine, image_processor=processor),
                            ServerConfig("tiny", chat_template=MEDIA_TEMPLATE))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        while not server.started:
-            thread.join(0.02)
-        chat = f"http://127.0.0.1:{port}/v1/chat/completions"
-        body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
-                "return_token_ids": True}
-        status, got = http_json(chat, body)
-        assert status == 200, got
-        assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
-        assert got["prompt_token_ids"] == want.prompt_token_ids
-        part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
-        status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [part]}]})
-        assert status == 400 and err["error"]["param"] == "messages", err
-        assert "video could not be decoded" in err["error"]["message"]
+        with serving(app) as base:
+            chat = f"{base}/v1/chat/completions"
+            body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+                    "return_token_ids": True}
+            status, got = http_json(chat, body)
+            assert status == 200, got
+            assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
+            assert got["prompt_token_ids"] == want.prompt_token_ids
+            part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+            status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [part]}]})
+            assert status == 400 and err["error"]["param"] == "messages", err
+            assert "video could not be decoded" in err["error"]["message"]
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
         aengine.shutdown()

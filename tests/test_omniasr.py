@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from specray.models import omniasr as om
-from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
-from specray.multimodal import MultiModalInputs, expand_prompt
-from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, image_logits  # tests/image_checks.py
+from specray.models.loader import load_image_processor, load_model
+from specray_test_audio_checks import draw_visible, expand_in, tone_waves
+from specray_test_image_checks import (assert_ranks_equal_one_rank, config_with, encoded,  # tests/image_checks.py
+                                      image_logits)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
@@ -40,14 +41,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "adaptive": False}
 
 
-def waves(lengths=tuple(LENGTHS)) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)
-    out = []
-    for n in lengths:
-        t = np.arange(n) / RATE
-        tones = sum(rng.uniform(0.05, 0.3) * np.sin(2 * np.pi * rng.uniform(80, 4000) * t) for _ in range(3))
-        out.append((tones + 0.05 * rng.standard_normal(n)).astype(np.float32))
-    return out
+def waves() -> list[np.ndarray]:
+    return tone_waves(LENGTHS)
 
 
 def build_release(path: Path, seed: int = 0):
@@ -70,14 +65,7 @@ def build_release(path: Path, seed: int = 0):
                            pad_token_id=0, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
     model = OmniASRForConditionalGeneration(config).float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "audio_tower" in name or "multi_modal_projector" in name:
-                noise = torch.randn(p.shape, generator=gen)
-                norm = "layer_norm" in name and name.endswith("weight")
-                p.copy_(1.0 + 0.2 * noise if norm else 0.1 * noise if p.dim() == 1
-                        else noise / max(p[0].numel(), 1) ** 0.5)
+    draw_visible(model, seed=seed + 1)
     model.save_pretrained(path)
     OmniASRFeatureExtractor().save_pretrained(path)
     return path, model
@@ -94,22 +82,11 @@ def tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def expand(folder: Path, text: str, audios: list[np.ndarray]) -> tuple[list[int], MultiModalInputs]:
-    return expand_prompt(tokenizer(folder).encode(text), [], load_image_processor(str(folder)),
-                         audios=[(w, RATE) for w in audios])
-
-
 def hf_processor(folder: Path):
     from transformers import OmniASRFeatureExtractor, OmniASRProcessor
 
     return OmniASRProcessor(feature_extractor=OmniASRFeatureExtractor.from_pretrained(str(folder)),
                             tokenizer=tokenizer(folder), audio_token=AUDIO, conv_kernel=KERNELS, conv_stride=STRIDES)
-
-
-def encoded(folder: Path, mm: MultiModalInputs) -> list[torch.Tensor]:
-    encoder = load_image_encoder(str(folder), read_config(str(folder)), torch.float32, "cpu")
-    with torch.no_grad():
-        return [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
 
 
 def test_processor_and_encoder_equal_transformers(release):
@@ -120,7 +97,7 @@ def test_processor_and_encoder_equal_transformers(release):
     text = "Hi " + AUDIO + " there"
     for wave, frames in zip(waves(), FRAMES):
         want = theirs(text=[text], audio=[wave], return_tensors="pt")
-        ids, mm = expand(folder, text, [wave])
+        ids, mm = expand_in(folder, text, [wave])
         assert ids == want["input_ids"][0].tolist() and mm.items[0].length == frames
         assert np.array_equal(mm.items[0].data["input_values"], want["input_values"][0, 0].numpy())
         with torch.no_grad():
@@ -133,7 +110,7 @@ def test_processor_and_encoder_equal_transformers(release):
 def test_logits_with_an_audio_equal_transformers(release):
     folder, hf = release
     text = "Hello " + AUDIO + " world"
-    ids, mm = expand(folder, text, waves()[1:2])
+    ids, mm = expand_in(folder, text, waves()[1:2])
     want_in = hf_processor(folder)(text=[text], audio=[waves()[1]], return_tensors="pt")
     extra = [17, 42, 99]
     want = hf(input_ids=torch.tensor([ids + extra]), input_values=want_in["input_values"],
@@ -145,7 +122,7 @@ def test_logits_with_an_audio_equal_transformers(release):
 
 def test_two_ranks_equal_one_rank(release, tmp_path):
     folder, _ = release
-    ids, mm = expand(folder, "Hi " + AUDIO + " and " + AUDIO, waves()[:2])
+    ids, mm = expand_in(folder, "Hi " + AUDIO + " and " + AUDIO, waves()[:2])
     first = mm.items[1].offset + 3
     assert_ranks_equal_one_rank(tmp_path, [(folder, ids, mm, [first, len(ids) - first])], 1, TOL)
 

@@ -24,8 +24,9 @@ import torch
 
 from specray.models import qwen3_asr as qa
 from specray.models.loader import load_image_encoder, load_image_processor, load_model, read_config
-from specray.multimodal import MultiModalInputs, expand_prompt
-from specray_test_image_checks import assert_ranks_equal_one_rank, config_with, image_logits  # tests/image_checks.py
+from specray_test_audio_checks import draw_visible, expand_in, tone_waves
+from specray_test_image_checks import (assert_ranks_equal_one_rank, config_with, encoded,  # tests/image_checks.py
+                                      image_logits)
 from specray_test_model_checks import max_diff  # tests/model_checks.py
 
 TOL = 1e-4
@@ -46,14 +47,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "adaptive": False}
 
 
-def waves(lengths=tuple(LENGTHS)) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)
-    out = []
-    for n in lengths:
-        t = np.arange(n) / RATE
-        tones = sum(rng.uniform(0.05, 0.3) * np.sin(2 * np.pi * rng.uniform(80, 4000) * t) for _ in range(3))
-        out.append((tones + 0.05 * rng.standard_normal(n)).astype(np.float32))
-    return out
+def waves() -> list[np.ndarray]:
+    return tone_waves(LENGTHS)
 
 
 def build_release(path: Path, seed: int = 0):
@@ -75,14 +70,7 @@ def build_release(path: Path, seed: int = 0):
                             pad_token_id=0, eos_token_id=tok.eos_token_id, initializer_range=0.2)
     torch.manual_seed(seed)
     model = Qwen3ASRForConditionalGeneration(config).float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "audio_tower" in name or "multi_modal_projector" in name:
-                noise = torch.randn(p.shape, generator=gen)
-                norm = ("layer_norm" in name or "ln_post" in name) and name.endswith("weight")
-                p.copy_(1.0 + 0.2 * noise if norm else 0.1 * noise if p.dim() == 1
-                        else noise / max(p[0].numel(), 1) ** 0.5)
+    draw_visible(model, seed=seed + 1)
     model.save_pretrained(path)
     Qwen3ASRFeatureExtractor(feature_size=MEL).save_pretrained(path)
     return path, model
@@ -99,11 +87,6 @@ def tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def expand(folder: Path, text: str, audios: list[np.ndarray]) -> tuple[list[int], MultiModalInputs]:
-    return expand_prompt(tokenizer(folder).encode(text), [], load_image_processor(str(folder)),
-                         audios=[(w, RATE) for w in audios])
-
-
 def hf_processor(folder: Path):
     """transformers' Qwen3ASRProcessor over the folder's feature extractor and tokenizer (named its audio tokens)."""
     from transformers import AutoFeatureExtractor, Qwen3ASRProcessor
@@ -111,14 +94,6 @@ def hf_processor(folder: Path):
     tok = tokenizer(folder)
     tok.audio_bos_token, tok.audio_token, tok.audio_eos_token = SPECIALS
     return Qwen3ASRProcessor(feature_extractor=AutoFeatureExtractor.from_pretrained(str(folder)), tokenizer=tok)
-
-
-def encoded(folder: Path, mm: MultiModalInputs, edit=None) -> list[torch.Tensor]:
-    encoder = load_image_encoder(str(folder), read_config(str(folder)), torch.float32, "cpu")
-    if edit is not None:
-        edit(encoder)
-    with torch.no_grad():
-        return [encoder.encode({k: torch.from_numpy(v) for k, v in item.data.items()}) for item in mm.items]
 
 
 # ---- the processor and the encoder -----------------------------------------------------------------------------------
@@ -131,7 +106,7 @@ def test_processor_equals_transformers(release):
     text = "Hi " + AUDIO + " there"
     for wave, tokens in zip(waves(), TOKENS):
         want = theirs(text=[text], audio=[wave])
-        ids, mm = expand(folder, text, [wave])
+        ids, mm = expand_in(folder, text, [wave])
         assert ids == want["input_ids"][0].tolist() and mm.items[0].length == tokens
         frames = int(want["input_features_mask"][0].sum())
         features = want["input_features"][0].numpy()
@@ -144,7 +119,7 @@ def test_encoder_equals_transformers_audio_features(release):
     mask as Qwen3ASRProcessor makes them)."""
     folder, hf = release
     theirs = hf_processor(folder)
-    _, mm = expand(folder, AUDIO * len(LENGTHS), waves())
+    _, mm = expand_in(folder, AUDIO * len(LENGTHS), waves())
     for item, wave, ours in zip(mm.items, waves(), encoded(folder, mm)):
         want = theirs(text=[AUDIO], audio=[wave])
         with torch.no_grad():
@@ -156,7 +131,7 @@ def test_a_short_audio_is_padded_to_a_whole_window(release):
     """Qwen3-Omni's padding (a short last window only to the audio's longest) moves the rows of an audio shorter
     than a window away from transformers' Qwen3-ASR, whose extractor pads its mel frames to whole windows."""
     folder, _ = release
-    _, mm = expand(folder, AUDIO, waves()[1:2])
+    _, mm = expand_in(folder, AUDIO, waves()[1:2])
 
     def omni(encoder):
         encoder.audio_tower.whole_windows = False
@@ -172,7 +147,7 @@ def test_logits_with_an_audio_equal_transformers(release):
     splitting its span, then decode steps)."""
     folder, hf = release
     text = "Hello " + AUDIO + " world"
-    ids, mm = expand(folder, text, waves()[2:3])
+    ids, mm = expand_in(folder, text, waves()[2:3])
     want_in = hf_processor(folder)(text=[text], audio=[waves()[2]])
     extra = [17, 42, 99]
     want = hf(input_ids=torch.tensor([ids + extra]), input_features=want_in["input_features"],
@@ -184,7 +159,7 @@ def test_logits_with_an_audio_equal_transformers(release):
 
 def test_two_ranks_equal_one_rank(release, tmp_path):
     folder, _ = release
-    ids, mm = expand(folder, "Hi " + AUDIO + " and " + AUDIO, waves()[1:3])
+    ids, mm = expand_in(folder, "Hi " + AUDIO + " and " + AUDIO, waves()[1:3])
     first = mm.items[0].offset + 3
     assert_ranks_equal_one_rank(tmp_path, [(folder, ids, mm, [first, len(ids) - first])], 1, TOL)
 
@@ -248,7 +223,7 @@ def test_server_transcribes_as_the_release_asks(release):
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
     from specray_test_audio_checks import wav_bytes
-    from tests.test_audio_input import _serving
+    from specray_test_openai_helpers import serving  # tests/openai_helpers.py
 
     folder, _ = release
     processor = load_image_processor(str(folder))
@@ -259,7 +234,7 @@ def test_server_transcribes_as_the_release_asks(release):
     for language in ("en", None):
         text = render_chat(tokenizer(folder), processor.transcription_messages("transcribe", language, None), False,
                            True, chat_template=TEMPLATE)
-        ids, mm = expand(folder, text, [decoded])
+        ids, mm = expand_in(folder, text, [decoded])
         out = llm.generate({"prompt_token_ids": tokenizer(folder).encode(text), "multi_modal_data": {
             "audio": [decoded]}}, SamplingParams(temperature=0.0, max_tokens=128 - len(ids)), use_tqdm=False)[0]
         want[language] = processor.transcription_text(out.outputs[0].text)
@@ -267,7 +242,7 @@ def test_server_transcribes_as_the_release_asks(release):
     app = build_openai_app(AsyncEngineClient(aengine, image_processor=processor),
                            ServerConfig("tiny", chat_template=TEMPLATE))
     try:
-        with _serving(app) as url:
+        with serving(app) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
             got = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en")
             assert got.text == want["en"] and got.text
