@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.layers import LayerNorm, _param
-from specray.models.vision_towers import Linear, copy_weights, vision_activation
+from specray.models.vision_towers import Linear, load_audio_parts, vision_activation
 from specray.multimodal import MultiModalItem, ProcessedImage
 
 ARCH = "FunAsrNanoForConditionalGeneration"
@@ -267,12 +267,7 @@ class FunAsrNanoEncoder(nn.Module):
         self.multi_modal_projector = Projector(config)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        wanted = ("audio_tower.", "multi_modal_projector.")
-        missing = copy_weights(dict(self.named_parameters()), (
-            (name.removeprefix("model."), t) for name, t in weights if name.removeprefix("model.").startswith(wanted)))
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) of {ARCH}'s audio encoder or projector: "
-                             f"{missing[:6]} (under model.); it does not match its config.json")
+        load_audio_parts(self, weights, ARCH)
 
     def encode(self, data: dict[str, Any]) -> torch.Tensor:
         """One audio's stacked rows [n, mel * stacked] -> its embeddings [n, text hidden]."""

@@ -170,6 +170,17 @@ def copy_weights(params: dict[str, nn.Parameter], weights: Iterable[tuple[str, A
     return sorted(set(params) - loaded)
 
 
+def load_audio_parts(module: nn.Module, weights: Iterable[tuple[str, Any]], arch: str) -> None:
+    """An audio-language release's ``audio_tower.*`` and ``multi_modal_projector.*`` tensors (under ``model.`` in
+    transformers' layout) into ``module``'s parameters of those names; a ValueError names any that did not come."""
+    wanted = ("audio_tower.", "multi_modal_projector.")
+    missing = copy_weights(dict(module.named_parameters()), (
+        (name.removeprefix("model."), t) for name, t in weights if name.removeprefix("model.").startswith(wanted)))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) of {arch}'s audio encoder or projector: "
+                         f"{missing[:6]} (under model.); it does not match its config.json")
+
+
 class VisionTower(nn.Module):
     """CLIP's or SigLIP's vision model (``config``: its vision config) as deep as ``depth`` encoder layers (None:
     all), with its ``post_layernorm`` where ``post_norm``. :meth:`hidden_states` hands out transformers' hidden states
