@@ -178,6 +178,36 @@ def test_engine_greedy_with_audio_equals_transformers(release):
                                                   max_tokens=40)
 
 
+def test_transcription_requests_are_the_releases(release):
+    """``transcription_messages`` renders as ``apply_transcription_request`` writes (the audio, the prompt, the
+    language's name as the release was trained); a translation or another language is refused."""
+    from transformers import AutoTokenizer, FunAsrNanoProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    from specray.chat import render_chat
+
+    folder, _ = release
+    processor = load_image_processor(str(folder))
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    template = ("{% for m in messages %}{% for p in m.content %}{% if p.type == 'audio' %}" + AUDIO + "{% elif "
+                "p.type == 'language' %}[{{ p.language }}]{% else %}{{ p.text }}{% endif %}{% endfor %}{% endfor %}"
+                "{% if add_generation_prompt %} =>{% endif %}")
+    with pytest.MonkeyPatch.context() as patch:  # (its feature extractor needs torchaudio: a stand-in, unchecked)
+        patch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
+        theirs = FunAsrNanoProcessor(feature_extractor=types.SimpleNamespace(), tokenizer=tok, audio_token=AUDIO)
+        for language, prompt in ((None, None), ("en", "Names: Ada."), ("zh", None)):
+            ours = render_chat(tok, processor.transcription_messages("transcribe", language, prompt), True, False,
+                               chat_template=template)
+            want = theirs.apply_transcription_request(waves()[0], language=language, prompt=prompt, tokenize=False,
+                                                      chat_template=template)
+            assert ours == (want[0] if isinstance(want, list) else want)
+    assert ours == AUDIO + "[中文] =>"
+    with pytest.raises(ValueError, match="transcribes only"):
+        processor.transcription_messages("translate", None, None)
+    with pytest.raises(ValueError, match="language='fr' is not one"):
+        processor.transcription_messages("transcribe", "fr", None)
+
+
 def test_refusals(release, tmp_path):
     folder, _ = release
     processor = load_image_processor(str(folder))

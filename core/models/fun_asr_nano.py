@@ -18,9 +18,9 @@ the stacked width and keeps no residual; LayerNorms after the last transcription
 the timestamp layers included, as transformers' encoder runs them), then the projector (``linear_1``, the activation,
 ``linear_2``) and its adaptor layers (the same layer without FSMN) into the text width.
 
-Each audio is processed and encoded alone (a batch's padding is masked where transformers batches them).
-Transcriptions through the OpenAI server use the default request (the chat template's user turn of the audio and an
-instruction), not the release's structured one (``apply_transcription_request``: not yet).
+Each audio is processed and encoded alone (a batch's padding is masked where transformers batches them). The OpenAI
+server's transcriptions write the release's own request (``transcription_messages``: the audio, the request's prompt
+and its language as ``apply_transcription_request`` puts them in the user's turn; hotwords are not an OpenAI field).
 """
 
 from __future__ import annotations
@@ -145,6 +145,24 @@ class FunAsrNanoProcessor:
 
     def rope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> None:
         return None  # plain RoPE
+
+    def transcription_messages(self, task: str, language: str | None, prompt: str | None) -> list[dict]:
+        """A transcription request as ``FunAsrNanoProcessor.apply_transcription_request`` writes it: the audio, the
+        request's prompt (context) as text, and its language as the template's ``language`` part, named as the
+        release was trained (``zh``, ``en``, ``ja``: transformers' own table, imported on the host)."""
+        if task != "transcribe":
+            raise ValueError(f"{ARCH} transcribes only; it does not translate: use /v1/audio/transcriptions")
+        content: list[dict] = [{"type": "audio"}]
+        if prompt:
+            content.append({"type": "text", "text": prompt})
+        if language is not None:
+            from transformers.models.fun_asr_nano.processing_fun_asr_nano import LANGUAGE_CODE_TO_NAME
+
+            if language not in LANGUAGE_CODE_TO_NAME:
+                raise ValueError(f"language={language!r} is not one {ARCH} takes; use one of "
+                                 f"{sorted(k for k in LANGUAGE_CODE_TO_NAME if len(k) == 2)}, or leave it out")
+            content.append({"type": "language", "language": LANGUAGE_CODE_TO_NAME[language]})
+        return [{"role": "user", "content": content}]
 
 
 # ---- the encoder -----------------------------------------------------------------------------------------------------
