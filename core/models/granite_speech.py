@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.layers import LayerNorm, _param
-from specray.models.vision_towers import Linear, copy_weights, vision_activation
+from specray.models.vision_towers import Conv1x1, Linear, copy_weights, vision_activation
 from specray.multimodal import MultiModalItem, ProcessedImage
 
 logger = logging.getLogger(__name__)
@@ -232,17 +232,6 @@ class GraniteSpeechAudioProcessor:
 
 
 # ---- the encoder -----------------------------------------------------------------------------------------------------
-
-class Conv1x1(nn.Module):
-    """A pointwise ``nn.Conv1d`` (weight [out, in, 1], a bias) applied to frames [N, in]."""
-
-    def __init__(self, width_in: int, width_out: int):
-        super().__init__()
-        self.weight, self.bias = _param(width_out, width_in, 1), _param(width_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight[:, :, 0], self.bias)
-
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, mult: int):

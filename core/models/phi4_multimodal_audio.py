@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.layers import LayerNorm, _param
-from specray.models.vision_towers import VISION_ACTIVATIONS, Linear, copy_weights
+from specray.models.vision_towers import VISION_ACTIVATIONS, Conv1x1, Linear, copy_weights
 from specray.multimodal import MultiModalItem, ProcessedImage
 
 ARCH = "Phi4MultimodalForCausalLM"
@@ -153,18 +153,6 @@ class Phi4MultimodalAudioProcessor:
 
 
 # ---- the encoder -----------------------------------------------------------------------------------------------------
-
-class Conv1x1(nn.Module):
-    """A pointwise ``nn.Conv1d`` / ``nn.Conv2d`` (weight [out, in, 1(, 1)], a bias) applied to the channels of [..., in]
-    (as the linear it is: no TF32 convolution on a GPU)."""
-
-    def __init__(self, width_in: int, width_out: int, dims: int = 1):
-        super().__init__()
-        self.weight, self.bias = _param(width_out, width_in, *(1,) * dims), _param(width_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.reshape(self.weight.shape[:2]), self.bias)
-
 
 class Subsampling(nn.Module):
     """NeMo's striding subsampling: frames [T, F] -> rows [ceil(T / time_reduction), hidden]."""

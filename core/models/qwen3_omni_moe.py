@@ -152,6 +152,10 @@ class AudioTower(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         # features: [mel, frames] -> [audio_embeddings(frames), out]
+        if features.dim() != 2 or features.shape[0] != self.mel or features.shape[1] < 1:
+            raise ValueError(f"an audio of input_features {tuple(features.shape)} does not fit this audio tower "
+                             f"([{self.mel}, frames >= 1]); process audio with the checkpoint's own feature "
+                             "extractor")
         h, rows = self.embed(features)
         span = rows * self.spans
         lengths = [span] * (h.shape[0] // span) + ([h.shape[0] % span] if h.shape[0] % span else [])
@@ -240,12 +244,7 @@ class Qwen3OmniMoeEncoder(nn.Module):
 
     def encode(self, data: dict[str, Any]) -> torch.Tensor:
         if FEATURES in data:
-            features = data[FEATURES]
-            if features.dim() != 2 or features.shape[0] != self.audio_tower.mel or features.shape[1] < 1:
-                raise ValueError(f"an audio of input_features {tuple(features.shape)} does not fit this audio tower "
-                                 f"([{self.audio_tower.mel}, frames >= 1]); process audio with the checkpoint's own "
-                                 "feature extractor")
-            out = self.audio_tower(features)
+            out = self.audio_tower(data[FEATURES])
             if self.deepstack_layers:  # the DeepStack additions of image rows only: none for an audio's
                 out = torch.cat((out[None], out.new_zeros(self.deepstack_layers, *out.shape)))
             return out

@@ -64,6 +64,18 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class Conv1x1(nn.Module):
+    """A pointwise ``nn.Conv1d`` / ``nn.Conv2d`` (weight [out, in, 1(, 1)], a bias) applied to the channels of [..., in]
+    (as the linear it is: no TF32 convolution on a GPU)."""
+
+    def __init__(self, width_in: int, width_out: int, dims: int = 1):
+        super().__init__()
+        self.weight, self.bias = _param(width_out, width_in, *(1,) * dims), _param(width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.reshape(self.weight.shape[:2]), self.bias)
+
+
 class VisionAttention(nn.Module):
     """Bidirectional multi-head self-attention over one image's tokens, biases on every projection."""
 
