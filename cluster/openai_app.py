@@ -1192,9 +1192,9 @@ class OpenAIServing:
         """The prompts of an audio request, one per clip of the audio (one clip where the model takes it whole):
         the processor's own (``transcription_prompt``: Voxtral's), or the chat template's rendering of the
         processor's chat (``transcription_messages``: Qwen3-ASR's, its last turn, the assistant's, continued;
-        OmniASR's) or of a user turn
-        holding the audio and the task's instruction (the processor's ``transcription_instruction`` where it names
-        one), the clip in its placeholder."""
+        OmniASR's, Fun-ASR-Nano's) or of a user turn holding the audio and the task's instruction (the processor's
+        ``transcription_instruction`` where it names one), the clip in its placeholder. Clips are halved, down to a
+        second, while a clip's prompt would take more than half the context."""
         processor = getattr(self.client, "image_processor", None)
         if processor is None or getattr(processor, "audio_token_id", None) is None:
             raise proto.bad_request("this model reads no audio: send audio to a model that takes it (the README's "

@@ -445,7 +445,9 @@ def test_server_transcribes_a_long_audio_in_clips(audio_family):
     """An audio longer than the model takes is transcribed clip by clip (audio_clips: cut at its pauses), each
     clip's text what LLM.generate gives for the transcription prompt of that clip, joined in order, the usage their
     sum; streamed (OpenAI's transcript.text.delta events, then transcript.text.done), the same text; the output
-    bound per request shared by the clips, and an audio of more clips than it allows tokens a 400 naming file."""
+    bound per request shared by the clips, and an audio of more clips than it allows tokens a 400 naming file. A
+    model with no bound of its own cuts an audio whose prompt would take over half the context into halves, down to
+    clips of a second, each prompt within half the context."""
     pytest.importorskip("openai")  # (the test's client and the server; not in a GPU image)
     pytest.importorskip("uvicorn")
     import openai
@@ -496,5 +498,14 @@ def test_server_transcribes_a_long_audio_in_clips(audio_family):
                                     headers={"Content-Type": "multipart/form-data; boundary=specray-form"})
             assert status == 400 and err["error"]["param"] == "file", err
             assert "clips" in err["error"]["message"] and "max_tokens_per_request" in err["error"]["message"]
+        from specray.cluster import openai_protocol as proto
+
+        unbounded = build_openai_app(AsyncEngineClient(aengine, image_processor=StandInAudio()),
+                                     ServerConfig("tiny", chat_template=AUDIO_TEMPLATE)).state.serving
+        form, audio = proto.parse_audio_form(_form({}, _wav([np.tile(tone, 30)], RATE)),
+                                             "multipart/form-data; boundary=specray-form", "transcribe")
+        halved = unbounded._encode_audio_prompts(form, audio, "transcribe")  # 3 s: 48 audio tokens, 1.5 s: 24
+        assert len(halved) > 2 and all(2 * len(p.token_ids) <= 64 for p in halved)
+        assert sum(p.multimodal.items[0].data["frames"].size for p in halved) >= 3 * RATE - 1000 * len(halved)
     finally:
         aengine.shutdown()
