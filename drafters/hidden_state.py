@@ -80,10 +80,10 @@ class HeadOptions:
 
 
 @dataclass
-class EagleOptions(HeadOptions):
-    """``speculative_config`` keys of ``method="eagle"`` and ``"eagle3"`` (TensorRT-LLM's names for the tree)."""
+class DynamicTreeOptions(HeadOptions):
+    """EAGLE-2's dynamic token trees (TensorRT-LLM's names), for the heads that draft one token per pass with one
+    module (EAGLE-1, EAGLE-3, MTP reusing one module)."""
 
-    model: str | None = None  # the head's checkpoint folder or hub id (eagle3 on the default model: the bundled one)
     # EAGLE-2: draft a dynamic token tree of num_speculative_tokens nodes instead of a chain
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = 4  # children offered per expanded node, and nodes expanded per level
@@ -91,8 +91,6 @@ class EagleOptions(HeadOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.model is not None and not isinstance(self.model, str):
-            raise ValueError(f"speculative_config.model={self.model!r} must be a path or hub id")
         if not isinstance(self.use_dynamic_tree, bool):
             raise ValueError(f"speculative_config.use_dynamic_tree={self.use_dynamic_tree!r} must be a bool")
         for name in ("dynamic_tree_max_topK", "dynamic_tree_depth"):
@@ -110,6 +108,18 @@ class EagleOptions(HeadOptions):
     def tree_shape(self) -> tuple[int, int] | None:
         """(nodes per level, levels) of a dynamic tree; None: chains."""
         return (self.dynamic_tree_max_topK, self.dynamic_tree_depth) if self.use_dynamic_tree else None
+
+
+@dataclass
+class EagleOptions(DynamicTreeOptions):
+    """``speculative_config`` keys of ``method="eagle"`` and ``"eagle3"``."""
+
+    model: str | None = None  # the head's checkpoint folder or hub id (eagle3 on the default model: the bundled one)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model={self.model!r} must be a path or hub id")
 
     def checkpoint(self, method: str, target_model: str) -> str | None:
         if self.model is None and method == "eagle3":  # EAGLE-3 on the default model: the bundled head
@@ -130,7 +140,7 @@ class EagleOptions(HeadOptions):
 
 
 @dataclass
-class MTPOptions(HeadOptions):
+class MTPOptions(DynamicTreeOptions):
     """``speculative_config`` keys of ``method="mtp"``."""
 
     model: str | None = None  # a checkpoint holding the MTP layers; None: the target's own
@@ -151,6 +161,12 @@ class MTPOptions(HeadOptions):
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"speculative_config.num_nextn_predict_layers={n!r} must be an int >= 1 (the MTP "
                              "modules to draft with)")
+        if self.use_dynamic_tree and self.num_modules > 1:
+            # a tree's level is one pass of one module over every node so far, each deeper level's module another
+            # whose K/V of the shallower nodes was never written
+            raise ValueError(f"speculative_config.use_dynamic_tree=True with num_nextn_predict_layers={n}: dynamic "
+                             "trees reuse one MTP module at every level; set num_nextn_predict_layers=1 (or leave "
+                             "it out) for trees, or use_dynamic_tree=False for chains of distinct modules")
 
     @property
     def num_modules(self) -> int:
@@ -177,8 +193,9 @@ class MTPOptions(HeadOptions):
         return path
 
     def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
+        tree = self.tree_shape()
         return {"head_config": None, "mtp_feedback_normed": self.mtp_feedback_normed, "mtp_modules": self.num_modules,
-                "tree": None}
+                "tree": None if tree is None else list(tree)}
 
 
 @dataclass

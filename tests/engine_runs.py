@@ -298,3 +298,26 @@ def assert_images_greedy_equals_transformers(llm, hf, processor, text: str, imag
     assert want[0].tolist() != blind[0].tolist()
     assert list(outs[1].outputs[0].token_ids) == plain[0, len(tokens):].tolist()
     assert llm.spec_stats.accepted_tokens > 0
+
+
+def siblings_reversed(runner) -> None:
+    """Wrap the runner's drafter so that each tree it drafts is renumbered level by level, each level's nodes in
+    reverse: the same tree, its best path (what the accepting heads' trees mostly keep) now the last of each level,
+    so that kept paths need the K/V moves a first path never does."""
+    from specray.tree import depths
+
+    draft = runner.drafter.draft
+
+    def reversed_levels(*args, **kwargs):
+        out = draft(*args, **kwargs)
+        for made in out:
+            if made is not None and made.parents is not None:
+                level = depths(made.parents)
+                order = sorted(range(len(level)), key=lambda n: (level[n], -n))
+                where = {n: i for i, n in enumerate(order)}
+                made.parents = [-1 if made.parents[n] < 0 else where[made.parents[n]] for n in order]
+                made.token_ids = [made.token_ids[n] for n in order]
+                made.scores = None if made.scores is None else [made.scores[n] for n in order]
+        return out
+
+    runner.drafter.draft = reversed_levels

@@ -10,6 +10,7 @@ rejects) and one built to be often right (``draft_heads.write_accepting_head``),
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,16 +27,18 @@ from specray.models.kv_cache import allocate_kv_cache, slots_of
 from specray.models.loader import load_hf_config, load_model
 from specray.sampling import SamplingBatch, logits_to_probs
 import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (tests/conftest.py registers it)
-from specray_test_engine_runs import PROMPTS, Recorder, check_candidates, greedy, token_ids  # tests/engine_runs.py
+from specray_test_engine_runs import (PROMPTS, Recorder, check_candidates, greedy,  # tests/engine_runs.py
+                                      siblings_reversed, token_ids)
 
 CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
 TREE = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}
 # "mtp3": three distinct MTP modules (num_nextn_predict_layers=3), each drafting one position further
-METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "medusa", "redrafter")
+METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "mtp-tree", "medusa", "redrafter")
 # ReDrafter: 3 beams of 3 drafts each, merged into a prefix tree
 BEAMS = {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}
-TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "medusa": 3,  # -> nodes at depth 1 of its tree
+TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "mtp-tree": TREE["dynamic_tree_max_topK"],
+                "medusa": 3,  # -> nodes at depth 1 of its tree
                 "redrafter": BEAMS["redrafter_num_beams"]}
 
 
@@ -80,10 +83,10 @@ def engine_kwargs(target_dir: Path, heads, kind: str, method: str, k: int = 3, *
     """``LLM`` arguments for ``method``'s ``kind`` head: MTP's layers live in the target's own (copied) folder."""
     method, _, lookup = method.partition("+")  # "eagle3+ngram": combined with a lookup drafter
     tree = method in TREE_METHODS
-    folder = heads.get((kind, method))
     method = method.removesuffix("-tree")
+    folder = heads.get((kind, method))
     spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False,
-            **(TREE if tree and method == "eagle3" else {}), **(BEAMS if method == "redrafter" else {})}
+            **(TREE if tree and method in ("eagle3", "mtp") else {}), **(BEAMS if method == "redrafter" else {})}
     if method == "mtp3":
         method = spec["method"] = "mtp"
         spec["num_nextn_predict_layers"] = 3
@@ -425,6 +428,55 @@ class DenseHead:
                 assert scores[step] == pytest.approx(float(logits.softmax(-1)[token]), abs=1e-5), (step, scores)
 
 
+    @torch.inference_mode()
+    def check_tree(self, tokens: list[int], drafts: list[int], parents: list[int], scores: list[float], top_k: int,
+                   depth: int) -> None:
+        """``drafts`` / ``parents`` / ``scores`` (the worker's greedy EAGLE-2 tree, made after ``tokens`` were
+        committed) are EAGLE-2's tree recomputed densely: a node's distribution is the head run as a chain along its
+        path (each step fed the draft before it, as the worker's one pass over the tree does with ancestor masks);
+        the root's ``top_k`` best children; then ``depth - 1`` times every frontier node's ``top_k`` best children,
+        the ``top_k`` best by path log-probability the next frontier; the best ``len(drafts)`` nodes kept. Compared
+        as token paths with their probabilities under their parents (a near tie, under 1e-4 apart, may go either
+        way)."""
+        n = len(tokens) - 1
+        root = self.first_pass(tokens, n)[:2]
+
+        def logp_after(path: tuple[int, ...]) -> torch.Tensor:
+            # the chain from the root again for every path: its K/V at n, n + 1, ... is this path's alone
+            feedback, normed = root[0][-1:], root[1][-1:]
+            for i, token in enumerate(path):
+                feedback, normed = self.head(torch.tensor([token]), feedback, self._meta(1, n + i))
+            return torch.log_softmax(self.head.full_vocab_logits(normed)[0], -1)
+
+        nodes: dict[tuple[int, ...], tuple[float, float]] = {}  # path -> (path log p, p under its parent)
+        frontier = [()]
+        for level in range(depth):
+            candidates = []
+            for path in frontier:
+                lp = logp_after(path)
+                own, ids = lp.topk(top_k)
+                base = nodes[path][0] if path else 0.0
+                candidates += [(base + float(o), path + (int(i),), float(o.exp())) for o, i in zip(own, ids)]
+            candidates.sort(key=lambda c: -c[0])
+            chosen = candidates[:top_k]
+            nodes.update({path: (cum, p) for cum, path, p in chosen})
+            frontier = [path for _, path, _ in chosen]
+        best = sorted(nodes, key=lambda path: (-nodes[path][0], len(path)))
+        paths = []
+        for i, token in enumerate(drafts):
+            paths.append((paths[parents[i]] if parents[i] >= 0 else ()) + (token,))
+        want = best[: len(drafts)]
+        if set(paths) != set(want):  # only a near tie may tell them apart
+            cut = nodes[want[-1]][0]
+            for path in set(paths) ^ set(want):
+                got = nodes[path][0] if path in nodes else float(logp_after(path[:-1])[path[-1]]) + (
+                    nodes[path[:-1]][0] if path[:-1] in nodes else 0.0)
+                assert abs(got - cut) < 1e-4, (tokens, paths, want)
+        for path, score in zip(paths, scores):
+            if path in nodes:
+                assert score == pytest.approx(nodes[path][1], abs=1e-5), (path, score, nodes[path])
+
+
 def worker_head_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
     """The head's cached K/V of the request's first ``n`` positions, read through its block table on the worker."""
     runner = engine.executor.worker.runner
@@ -493,6 +545,41 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
     assert any(verified_with_q), verified_with_q  # some drawn chain was verified against its q
     assert free_blocks(llm) == 28
 
+
+@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree"])
+def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method):
+    """After every step, each greedy request's EAGLE-2 tree (an EAGLE-3 head's, an MTP module's: one pass per level
+    over every node so far, with ancestor masks) is EAGLE-2 recomputed with the head run densely as a chain along
+    each node's path from the request's committed tokens (:meth:`DenseHead.check_tree`). Small blocks, a pool that
+    preempts and a token budget that chunks prefills."""
+    kwargs = engine_kwargs(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=28,
+                           max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    engine = llm.engine
+    engine.executor = rec = Recorder(engine.executor)
+    head = method.removesuffix("-tree")
+    model = str(heads["accepting", "mtp"]) if head == "mtp" else str(target_dir)
+    dense = DenseHead(model, head, model if head == "mtp" else str(heads["accepting", head]))
+    tok = llm.get_tokenizer()
+    for prompt in PROMPTS[3:7]:
+        engine.add_request(tok.encode(prompt), greedy(20))
+    checked = branched = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        _, result = rec.steps[-1]
+        made = {rid: (d, p, sc) for rid, d, p, sc in zip(result.req_ids, result.draft_token_ids or [],
+                                                          result.draft_parents or [], result.draft_scores or [])}
+        for req in engine.scheduler.running:
+            drafts, parents, scores = made.get(req.req_id, ([], [], []))
+            if drafts:
+                assert req.num_computed_tokens == req.num_tokens - 1
+                dense.check_tree(req.all_token_ids, drafts, parents, scores, TREE["dynamic_tree_max_topK"],
+                                 TREE["dynamic_tree_depth"])
+                checked += 1
+                branched += len(set(parents)) < len(parents)
+    assert engine.scheduler.num_preemptions > 0
+    assert checked >= 10 and branched > 0, (checked, branched)
+    assert free_blocks(llm) == 28
 
 def trees_over_dense_hidden(target_dir, heads, kind: str, method: str, num_nodes: int, max_tokens: int):
     """Run four prompts (small blocks, so they are preempted) through ``method``'s ``kind`` head drafting up to
@@ -1028,6 +1115,8 @@ def test_relaxed_acceptance_with_a_head_keeps_candidates_in_the_thinking_phase(t
     ({"num_nextn_predict_layers": 0}, "num_nextn_predict_layers=0 must be an int >= 1"),
     ({"num_nextn_predict_layers": 4, "num_speculative_tokens": 2}, r"num_nextn_predict_layers=4 but the checkpoint "
                                                                    r".* has 3 MTP module"),
+    ({**TREE, "num_speculative_tokens": 3}, r"use_dynamic_tree=True with num_nextn_predict_layers=3: .* set "
+                                            r"num_nextn_predict_layers=1"),
 ])
 def test_distinct_mtp_modules_settings_are_checked(target_dir, heads, spec, match):
     kwargs = engine_kwargs(target_dir, heads, "accepting", "mtp3")
@@ -1200,12 +1289,12 @@ def test_sampled_output_keeps_the_target_distribution_when_drawn_chains_and_tree
     assert pvalue > 1e-3
 
 
-@pytest.mark.parametrize("method", ["eagle3-tree", "medusa", "redrafter"])
+@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree", "medusa", "redrafter"])
 def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_dir, heads, looping_prompt,
                                                                          monkeypatch, method):
-    """EAGLE-2's, Medusa's and ReDrafter's trees for sampled requests beside greedy ones: the sampled ones' rows carry
-    the q their children were drawn from (each a distribution, and every child's token has mass under its row's q),
-    the greedy ones' none; greedy output stays plain output."""
+    """EAGLE-2's (an EAGLE-3 head's, an MTP module's), Medusa's and ReDrafter's trees for sampled requests beside greedy
+    ones: the sampled ones' rows carry the q their children were drawn from (each a distribution, and every child's
+    token has mass under its row's q), the greedy ones' none; greedy output stays plain output."""
     from specray.workers import model_runner
 
     seen = []
@@ -1413,7 +1502,8 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     """``method="mtp"`` on a DeepSeek-V3 or GLM-4.5 checkpoint reads its MTP module at ``model.layers.{L}``, whose block
     is the family's (DeepSeek: latent attention over its own latent cache; GLM: grouped-query attention with q/k norms
     and half of each head rotated; both with experts and a shared one): greedy output equals plain decoding (batch of
-    8, mixed caps and max_tokens), drafts are accepted, no block leaks; every first draft equals transformers'
+    8, mixed caps and max_tokens), with chains and with EAGLE-2 trees (each level's nodes reversed), drafts are
+    accepted, no block leaks; every first draft equals transformers'
     ``MtpModel`` (built on the target's own layer class) run over the committed sequence from scratch. DeepSeek-V3.2
     and GLM-5: the MTP layer's latent attention has its own indexer (its keys in its latent rows) picking its keys
     (GLM-5's first drafts unchecked: transformers' MtpModel cannot run its layer). Hunyuan 3: its attention's q/k
@@ -1460,6 +1550,13 @@ def test_family_mtp_module_drafts_with_its_own_block(request, tmp_path, family):
     # (the module drafts "the same token again", which this tiny GLM-4.7-Flash never says: its drafts are checked
     # against transformers' below)
     assert (llm.spec_stats.accepted_tokens > 0 or family == "glm4_moe_lite") and free_blocks(llm) == start
+    # EAGLE-2 trees from the module: each level one pass over every node so far (ancestor masks in its attention,
+    # latent or sparse alike), the kept path's K/V moved into place
+    trees = LLM(str(folder), max_model_len=256, speculative_config={
+        "method": "mtp", "num_speculative_tokens": 4, "adaptive": False, **TREE})
+    siblings_reversed(trees.engine.executor.worker.runner)
+    assert token_ids(trees.generate(PROMPTS, MIXED, use_tqdm=False)) == token_ids(plain)
+    assert (trees.spec_stats.accepted_tokens > 0 or family == "glm4_moe_lite") and free_blocks(trees) == start
     if family == "glm_moe_dsa":  # transformers' MtpModel cannot run GLM-5's layer (it returns its pick beside the
         return  # hidden states): the greedy equality above is this family's check
     # the first drafts against transformers' MTP module over each committed sequence
@@ -1900,10 +1997,13 @@ def test_hybrid_mtp_comparison_can_fail(hybrid_dirs, monkeypatch):
     assert all(len(o) == 20 for o in out) and out != plain
 
 
-def test_sampled_output_keeps_the_target_distribution_with_hybrid_mtp(hybrid_dirs):
-    """Qwen3.5's own MTP layer (written to accept often) drafting chains drawn from its q for sampled requests: the
-    first three sampled tokens' joint frequencies fit transformers' target distribution (a p-value under the threshold
-    decided by a second test on fresh seeds); the same test fails against the distribution at temperature 1."""
+@pytest.mark.parametrize("shape", ["chains", "trees"])
+def test_sampled_output_keeps_the_target_distribution_with_hybrid_mtp(hybrid_dirs, shape):
+    """Qwen3.5's own MTP layer (written to accept often) drafting chains, or EAGLE-2 trees, drawn from its q for
+    sampled requests (a tree's siblings without replacement, verified by recursive rejection sampling, each node's
+    recurrent state from its parent's): the first three sampled tokens' joint frequencies fit transformers' target
+    distribution (a p-value under the threshold decided by a second test on fresh seeds); the same test fails against
+    the distribution at temperature 1."""
     from transformers import AutoModelForCausalLM
 
     target, accepting, _ = hybrid_dirs("qwen3_5")
@@ -1914,8 +2014,10 @@ def test_sampled_output_keeps_the_target_distribution_with_hybrid_mtp(hybrid_dir
     triples = triples_of(None, prompt, last_logits=lambda tokens: hf(torch.tensor([tokens])).logits[0, -1:].float())
     expected = triples[SAMPLED["temperature"]]
 
+    spec = HYBRID_MTP if shape == "chains" else {**HYBRID_MTP, **TREE, "num_speculative_tokens": 5}
+
     def engine() -> LLM:
-        return LLM(str(accepting), max_model_len=128, max_num_seqs=64, speculative_config=HYBRID_MTP)
+        return LLM(str(accepting), max_model_len=128, max_num_seqs=64, speculative_config=spec)
 
     pvalue = sampled_pvalue(None, None, "mtp", prompt, expected, engine=engine)
     if pvalue <= 1e-3:
@@ -1926,8 +2028,8 @@ def test_sampled_output_keeps_the_target_distribution_with_hybrid_mtp(hybrid_dir
 
 def test_hybrid_mtp_refusals(hybrid_dirs, tmp_path):
     """What the hybrid family's MTP cannot do is refused with the way out: a release without ``mtp.*``, more than its
-    one MTP layer; Medusa's trees and EAGLE-2's stay refused for these targets. A lookup's token trees beside the
-    head (suffix decoding's) are verified: greedy output equals plain decoding's."""
+    one MTP layer; a head these targets cannot serve (Gemma 4's assistant) is refused by method. A lookup's token
+    trees beside the head (suffix decoding's) are verified: greedy output equals plain decoding's."""
     target, accepting, _ = hybrid_dirs("qwen3_5")
     beside = LLM(str(accepting), max_model_len=128, speculative_config={
         **HYBRID_MTP, "combine_with": {"method": "suffix", "num_speculative_tokens": 6}})
@@ -1940,8 +2042,7 @@ def test_hybrid_mtp_refusals(hybrid_dirs, tmp_path):
     for model, extra, match in [
             (target, {}, "no MTP layer"),
             (accepting, {"num_nextn_predict_layers": 2, "num_speculative_tokens": 2}, "num_nextn_predict_layers=2"),
-            (accepting, {"method": "medusa", "model": str(tmp_path)}, "method='medusa'"),
-            (target, {"method": "eagle3", "model": str(tmp_path), "use_dynamic_tree": True}, "use_dynamic_tree")]:
+            (accepting, {"method": "gemma4_assistant", "model": str(tmp_path)}, "method='gemma4_assistant'")]:
         with pytest.raises(ValueError, match=match):
             LLM(str(model), max_model_len=128, speculative_config={**HYBRID_MTP, **extra})
 
@@ -2011,3 +2112,65 @@ def test_sampled_output_keeps_the_target_distribution_with_eagle3_on_a_hybrid_ta
                                 first_seed=800, engine=engine)
     assert pvalue > 1e-3
     assert sampled_pvalue(None, None, "eagle3", prompt, triples[1.0], engine=engine) < 1e-3
+
+
+# ---- heads' token trees on a hybrid target: each node's recurrent state from its parent's, the accepted path kept ----
+
+@pytest.fixture(scope="module")
+def hybrid_tree_heads(hybrid_dirs, hybrid_eagle, tmp_path_factory):
+    """case -> (model folder, speculative_config, plain greedy outputs) of a head drafting trees for Qwen3.5: its own
+    MTP layer and the EAGLE-3 head growing EAGLE-2 trees, Medusa's heads, ReDrafter's beams, DFlash's static tree (on
+    its own copy of the target, whose mask token's row embeds to zero); every head written to accept often."""
+    target, accepting, _ = hybrid_dirs("qwen3_5")
+    root = tmp_path_factory.mktemp("hybrid_trees")
+    plain = hybrid_eagle[1]
+    tree = {**TREE, "num_speculative_tokens": 5, "adaptive": False}
+    dflash_target = draft_heads.zero_mask_row(Path(shutil.copytree(target, root / "dflash_target")))
+    dflash = draft_heads.write_dflash(root / "dflash", dflash_target, num_layers=3, block_size=4,
+                                      target_layer_ids=[0, 2], accepting=True)
+    return {
+        "mtp-tree": (accepting, {"method": "mtp", **tree}, plain),
+        "eagle3-tree": (target, {"method": "eagle3", "model": str(hybrid_eagle[2]["accepting", "eagle3"]), **tree},
+                        plain),
+        "medusa": (target, {"method": "medusa", "num_speculative_tokens": 5, "adaptive": False,
+                            "model": str(draft_heads.write_medusa_heads(root / "medusa", target, accepting=True))},
+                   plain),
+        "redrafter": (target, {"method": "redrafter", "num_speculative_tokens": 5, "adaptive": False, **BEAMS,
+                               "model": str(draft_heads.write_redrafter(root / "redrafter", target, accepting=True))},
+                      plain),
+        "dflash-tree": (dflash_target, {"method": "dflash", "model": str(dflash), "num_speculative_tokens": 5,
+                                        "adaptive": False,
+                                        "speculative_token_tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]},
+                        hybrid_generate(LLM(str(dflash_target), max_model_len=128)))}
+
+
+@pytest.mark.parametrize("case", ["mtp-tree", "mtp-tree-chunked-prefill", "mtp-tree-preemption", "eagle3-tree",
+                                  "medusa", "redrafter", "dflash-tree"])
+def test_head_trees_on_a_hybrid_target_keep_greedy_output(hybrid_tree_heads, case):
+    """Every head's token trees verified on Qwen3.5 (Gated DeltaNet layers beside gated attention): each node's
+    recurrent state runs from its parent's, the accepted path's pending inputs are put in path order by the next
+    plan's K/V move, and the head drafts its next tree from that path's hidden rows. With six requests at once, with
+    prefills in small chunks and with a KV pool so small that requests are preempted: greedy output equals plain
+    decoding, branching trees are verified and (each level's nodes reversed: :func:`siblings_reversed`) paths other
+    than the first accepted (K/V moves made), no block leaks, and drafting leaves the target's recurrent state as
+    it found it."""
+    variant = case.partition("-tree")[2]
+    model, spec, plain = hybrid_tree_heads[case.removesuffix(variant)]
+    kw = {"-chunked-prefill": dict(max_num_batched_tokens=8, long_prefill_token_threshold=5),
+          "-preemption": dict(block_size=4, num_kv_blocks=24)}.get(variant, {})
+    llm = LLM(str(model), max_model_len=128, speculative_config=spec, **kw)
+    runner = llm.engine.executor.worker.runner
+    touched = watch_recurrent_state(runner)
+    siblings_reversed(runner)
+    moves, apply = [], runner.apply_plan_state
+    runner.apply_plan_state = lambda plan: moves.extend(plan.kv_moves) or apply(plan)
+    llm.engine.executor = rec = Recorder(llm.engine.executor)
+    start = free_blocks(llm)
+    assert hybrid_generate(llm) == plain
+    assert free_blocks(llm) == start
+    assert touched and not any(touched)
+    assert llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+    assert any(c.draft_parents and len(set(c.draft_parents)) < len(c.draft_parents) for c, _, _ in rec.chunks())
+    assert moves, "every accepted path was the tree's first"
+    if variant == "-preemption":
+        assert llm.engine.scheduler.num_preemptions > 0

@@ -290,8 +290,8 @@ def test_seeded_sampling_with_ngram_equals_plain(engine_case):
     ("bamba", dict(mamba_n_heads=1, mamba_d_head=128, mamba_n_groups=1), dict(tensor_parallel_size=2),
      "mamba_n_heads=1"),  # 2 ranks split the attention heads but not one Mamba-2 head
     ("nemotron_h", dict(mamba_num_heads=12, n_groups=3), dict(tensor_parallel_size=2), "n_groups=3"),
-    ("bamba", {}, dict(speculative_config={"method": "medusa", "model": "nowhere", "num_speculative_tokens": 4}),
-     "method='medusa'"),
+    ("bamba", {}, dict(speculative_config={"method": "gemma4_assistant", "model": "nowhere",
+                                           "num_speculative_tokens": 4}), "method='gemma4_assistant'"),
 ])
 def test_refusals(tmp_path, arch, overrides, kw, match):
     from specray import LLM
@@ -435,10 +435,10 @@ def test_a_release_of_attention_layers_alone_serves_as_an_attention_model(tmp_pa
 
 @pytest.mark.parametrize("arch", ["bamba", "granite", "falcon_h1", "jamba", "lfm2", "lfm3", "minimax"])
 def test_an_eagle3_head_on_the_target_keeps_greedy_output(tmp_path, arch):
-    """An EAGLE-3 head drafting chains for each kind of layer here (the streams entering its layers handed out by
-    Llama's, Falcon-H1's and LFM2's stacks, over Mamba-2, Mamba-1 and short convs; its own K/V, the target's
-    recurrent state untouched): greedy output equals plain decoding's, and its drafts are accepted now and then
-    (the test head drafts "the same token again" under the target's tied LM head)."""
+    """An EAGLE-3 head drafting chains, then EAGLE-2 trees, for each kind of layer here (the streams entering its
+    layers handed out by Llama's, Falcon-H1's and LFM2's stacks, over Mamba-2, Mamba-1 and short convs; its own K/V,
+    the target's recurrent state untouched): greedy output equals plain decoding's, and its drafts are accepted now
+    and then (the test head drafts "the same token again" under the target's tied LM head)."""
     check_eagle3_keeps_greedy(tmp_path, arch)  # (tests/hybrid_models.py)
 
 

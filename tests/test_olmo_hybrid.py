@@ -108,6 +108,7 @@ def test_tp_must_split_the_linear_heads(arch):
 
 
 def test_an_eagle3_head_keeps_greedy_output(tmp_path):
-    """An EAGLE-3 head drafting chains over it (the streams entering three of its layers, post-norm and linear ones,
-    handed out by the Llama stack): greedy output equals plain decoding's, its drafts accepted now and then."""
+    """An EAGLE-3 head drafting chains, then EAGLE-2 trees, over it (the streams entering three of its layers,
+    post-norm and linear ones, handed out by the Llama stack): greedy output equals plain decoding's, its drafts
+    accepted now and then."""
     check_eagle3_keeps_greedy(tmp_path, "olmo_hybrid")  # (tests/hybrid_models.py)

@@ -118,10 +118,10 @@ def check_engine_args(args: EngineArgs) -> None:
 # chains are not known to fit the recurrent state's replay)
 RECURRENT_DRAFTERS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache",
                       "prediction", "suffix", "lookahead")
-# heads on the worker that draft chains for such a model: the family's own MTP layer, EAGLE-1 / EAGLE-3 heads and DFlash
-# read the verify pass's hidden rows (EAGLE-3, DFlash: the residual streams entering chosen layers) and keep K/V of
-# their own, never the recurrent state; EAGLE-2's dynamic trees (use_dynamic_tree) are refused as every tree is
-RECURRENT_HEADS = ("mtp", "eagle", "eagle3", "dflash")
+# heads on the worker that draft for such a model, chains and trees alike: they read the verify pass's hidden rows (an
+# accepted tree path's among them; EAGLE-3, DFlash: the residual streams entering chosen layers) and keep K/V of their
+# own (Medusa's and ReDrafter's none), never the recurrent state, and the tree they draft is verified as a lookup's is
+RECURRENT_HEADS = ("mtp", "eagle", "eagle3", "dflash", "medusa", "redrafter")
 
 
 def max_pending_drafts(spec: SpeculativeConfig | None) -> int:
@@ -148,23 +148,15 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
     if not getattr(model_class, "recurrent", False) or not model_class.recurrent_layers(hf_config):
         return False
     kind = f"{getattr(hf_config, 'model_type', '?')} (linear attention or Mamba-2: a recurrent state per request)"
-    if spec is not None:
-        options = registry.options_of(spec)
-        # a lookup drafter's token trees are verified (each draft's state from its parent's: gated_delta_tree); a
-        # head's trees (EAGLE-2's dynamic ones, a head's static tree) are not
-        trees = (getattr(options, "num_branches", 1) > 1 or getattr(options, "speculative_token_tree", None)
-                 or getattr(options, "use_dynamic_tree", False))
-        if spec.method not in RECURRENT_DRAFTERS + RECURRENT_HEADS or (trees and spec.method in RECURRENT_HEADS):
-            what = ("a head's token trees" if trees and spec.method in RECURRENT_DRAFTERS + RECURRENT_HEADS
-                    else f"method={spec.method!r}")
-            raise ValueError(f"speculative_config {what} is not supported for {kind}: use one of "
-                             f"{list(RECURRENT_DRAFTERS)} (their token trees too: num_branches) or one of "
-                             f"{list(RECURRENT_HEADS)} drafting chains (no speculative_token_tree, "
-                             "use_dynamic_tree=False)")
-        lookup = lookup_beside_head(spec) if spec.method in RECURRENT_HEADS else None
-        if lookup is not None and lookup.method not in RECURRENT_DRAFTERS:
-            raise ValueError(f"speculative_config.combine_with={lookup.method!r} is not supported for {kind}: "
-                             f"combine the head with one of {list(RECURRENT_DRAFTERS)}, or with none")
+    if spec is not None and spec.method not in RECURRENT_DRAFTERS + RECURRENT_HEADS:
+        raise ValueError(f"speculative_config method={spec.method!r} is not supported for {kind}: use one of "
+                         f"{list(RECURRENT_DRAFTERS)} (their token trees too: num_branches) or one of "
+                         f"{list(RECURRENT_HEADS)} (chains, or trees: use_dynamic_tree, speculative_token_tree, "
+                         "medusa_choices, redrafter_num_beams)")
+    lookup = lookup_beside_head(spec) if spec is not None and spec.method in RECURRENT_HEADS else None
+    if lookup is not None and lookup.method not in RECURRENT_DRAFTERS:
+        raise ValueError(f"speculative_config.combine_with={lookup.method!r} is not supported for {kind}: "
+                         f"combine the head with one of {list(RECURRENT_DRAFTERS)}, or with none")
     return True
 
 
