@@ -55,6 +55,9 @@ def videos() -> list[list]:
             for t, h, w in VIDEOS]
 
 
+KINDS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
+
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """Each kind's tiny release (built when first asked for), with :data:`SETTINGS` as its video processor's."""
@@ -65,7 +68,8 @@ def releases(tmp_path_factory):
     def get(kind: str):
         if kind not in built:
             make = build_release if kind.startswith("qwen3_vl") else q35.build_release
-            folder, model = make(kind, tmp_path_factory.mktemp(kind), len(built))
+            # each kind's seed its own (not the order kinds are built in, which differs as workers share the tests)
+            folder, model = make(kind, tmp_path_factory.mktemp(kind), KINDS.index(kind))
             (folder / "video_preprocessor_config.json").write_text(json.dumps(SETTINGS))
             built[kind] = folder, model
         return built[kind]
