@@ -22,6 +22,7 @@ tree to its first n nodes keeps the n best and stays a tree (:func:`trim_tree`).
 
 from __future__ import annotations
 
+import ast
 import heapq
 import json
 from collections.abc import Callable, Sequence
@@ -131,15 +132,19 @@ def kept_nodes(parents: Sequence[int], kept_parents: Sequence[int]) -> list[int]
 
 
 def parse_token_tree(value) -> list[tuple[int, ...]]:
-    """A ``speculative_token_tree`` (a JSON string or a list of paths of candidate ranks) -> every node's path,
-    prefixes included, sorted by depth then rank (a topological order). Raises an actionable ValueError."""
+    """A ``speculative_token_tree`` (a list of paths of candidate ranks, or a string of one: JSON, or a Python
+    literal as vLLM takes it) -> every node's path, prefixes included, sorted by depth then rank (a topological
+    order). Raises an actionable ValueError."""
     field = "speculative_config.speculative_token_tree"
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{field}={value!r} is not JSON ({err}); give a list of paths such as "
-                             "[[0], [1], [0, 0]]") from None
+            try:  # vLLM's form: a Python list of tuples, "[(0,), (1,), (0, 0)]"
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                raise ValueError(f"{field}={value!r} is neither JSON ({err}) nor a Python literal; give a list of "
+                                 "paths such as [[0], [1], [0, 0]] or [(0,), (1,), (0, 0)]") from None
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{field}={value!r} must be a non-empty list of paths of candidate ranks, e.g. "
                          "[[0], [1], [0, 0]] (Medusa's medusa_choices)")

@@ -80,14 +80,19 @@ class HeadOptions:
 
 
 @dataclass
-class DynamicTreeOptions(HeadOptions):
-    """EAGLE-2's dynamic token trees (TensorRT-LLM's names), for the heads that draft one token per pass with one
-    module (EAGLE-1, EAGLE-3, MTP reusing one module)."""
+class HeadTreeOptions(HeadOptions):
+    """Token trees of the heads that draft one token per pass with one module (EAGLE-1, EAGLE-3, MTP reusing one
+    module): EAGLE-2's dynamic trees (TensorRT-LLM's names) or a static tree (vLLM's ``speculative_token_tree``)."""
 
     # EAGLE-2: draft a dynamic token tree of num_speculative_tokens nodes instead of a chain
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = 4  # children offered per expanded node, and nodes expanded per level
     dynamic_tree_depth: int = 4  # levels of the tree
+    # a static tree instead (vLLM's): paths of candidate ranks, e.g. [(0,), (1,), (0, 0)] (a JSON or Python list, or
+    # a string of one): node (r1, .., rd) is the rd-th best token after the path (r1, .., rd-1); grown level by level
+    # (one head pass over every node so far per level), its nodes verified level by level (num_speculative_tokens:
+    # the most per step, the whole tree when not given)
+    speculative_token_tree: list | str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,21 +102,42 @@ class DynamicTreeOptions(HeadOptions):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name}={value!r} must be an int >= 1")
+        if self.speculative_token_tree is not None:
+            from specray.tree import parse_token_tree  # torch-free
+
+            self.speculative_token_tree = [list(path) for path in parse_token_tree(self.speculative_token_tree)]
+            if self.use_dynamic_tree:
+                raise ValueError("speculative_config gives both use_dynamic_tree=True and a speculative_token_tree: "
+                                 "pick one (EAGLE-2's dynamic tree, or the static tree)")
+
+    @property
+    def default_draft_count(self) -> int | None:
+        """``num_speculative_tokens`` when it is not given: a static tree's nodes, every one of them."""
+        return None if self.speculative_token_tree is None else len(self.speculative_token_tree)
 
     def drafts_trees(self) -> bool:
-        return self.use_dynamic_tree
+        return self.use_dynamic_tree or self.speculative_token_tree is not None
 
     def tree_lookahead_slots(self) -> int:
-        """Slots past the root a dynamic tree's growth writes (every level's nodes but the deepest); 0: chains."""
+        """Slots past the root a tree's growth writes (every node above the deepest level: the last level's pass
+        reads them); 0: chains."""
+        if self.speculative_token_tree is not None:
+            deepest = max(len(path) for path in self.speculative_token_tree)
+            return sum(len(path) < deepest for path in self.speculative_token_tree)
         return self.dynamic_tree_max_topK * (self.dynamic_tree_depth - 1) if self.use_dynamic_tree else 0
 
     def tree_shape(self) -> tuple[int, int] | None:
-        """(nodes per level, levels) of a dynamic tree; None: chains."""
+        """(nodes per level, levels) of a dynamic tree; None: chains or a static tree."""
         return (self.dynamic_tree_max_topK, self.dynamic_tree_depth) if self.use_dynamic_tree else None
+
+    def tree_fields(self) -> dict[str, Any]:
+        """The worker's tree: a dynamic tree's shape, or a static tree's paths (None: chains)."""
+        tree = self.tree_shape()
+        return {"tree": None if tree is None else list(tree), "static_tree": self.speculative_token_tree}
 
 
 @dataclass
-class EagleOptions(DynamicTreeOptions):
+class EagleOptions(HeadTreeOptions):
     """``speculative_config`` keys of ``method="eagle"`` and ``"eagle3"``."""
 
     model: str | None = None  # the head's checkpoint folder or hub id (eagle3 on the default model: the bundled one)
@@ -134,13 +160,11 @@ class EagleOptions(DynamicTreeOptions):
             from specray.models.draft_head_loader import read_head_config
 
             head_config = read_head_config(path)
-        tree = self.tree_shape()
-        return {"head_config": head_config, "mtp_feedback_normed": False, "mtp_modules": 1,
-                "tree": None if tree is None else list(tree)}
+        return {"head_config": head_config, "mtp_feedback_normed": False, "mtp_modules": 1, **self.tree_fields()}
 
 
 @dataclass
-class MTPOptions(DynamicTreeOptions):
+class MTPOptions(HeadTreeOptions):
     """``speculative_config`` keys of ``method="mtp"``."""
 
     model: str | None = None  # a checkpoint holding the MTP layers; None: the target's own
@@ -161,12 +185,13 @@ class MTPOptions(DynamicTreeOptions):
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"speculative_config.num_nextn_predict_layers={n!r} must be an int >= 1 (the MTP "
                              "modules to draft with)")
-        if self.use_dynamic_tree and self.num_modules > 1:
+        if self.drafts_trees() and self.num_modules > 1:
             # a tree's level is one pass of one module over every node so far, each deeper level's module another
             # whose K/V of the shallower nodes was never written
-            raise ValueError(f"speculative_config.use_dynamic_tree=True with num_nextn_predict_layers={n}: dynamic "
-                             "trees reuse one MTP module at every level; set num_nextn_predict_layers=1 (or leave "
-                             "it out) for trees, or use_dynamic_tree=False for chains of distinct modules")
+            what = "use_dynamic_tree=True" if self.use_dynamic_tree else "a speculative_token_tree"
+            raise ValueError(f"speculative_config {what} with num_nextn_predict_layers={n}: token trees reuse one "
+                             "MTP module at every level; set num_nextn_predict_layers=1 (or leave it out) for trees, "
+                             "or draft chains of distinct modules")
 
     @property
     def num_modules(self) -> int:
@@ -174,8 +199,9 @@ class MTPOptions(DynamicTreeOptions):
 
     @property
     def default_draft_count(self) -> int | None:
-        """``num_speculative_tokens`` when it is not given: one draft per module when there are several."""
-        return self.num_modules if self.num_modules > 1 else None
+        """``num_speculative_tokens`` when it is not given: one draft per module when there are several (a static
+        tree's nodes with one)."""
+        return self.num_modules if self.num_modules > 1 else super().default_draft_count
 
     def check_draft_count(self, num_speculative_tokens: int) -> None:
         if self.num_modules > 1 and num_speculative_tokens > self.num_modules:
@@ -193,9 +219,8 @@ class MTPOptions(DynamicTreeOptions):
         return path
 
     def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
-        tree = self.tree_shape()
         return {"head_config": None, "mtp_feedback_normed": self.mtp_feedback_normed, "mtp_modules": self.num_modules,
-                "tree": None if tree is None else list(tree)}
+                **self.tree_fields()}
 
 
 @dataclass

@@ -334,10 +334,10 @@ def test_ranks_are_grouped_node_by_node():
 
 
 def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Path, dict]:
-    """(the target's folder, the model folder to serve, the speculative_config) of a hidden-state drafter case:
-    EAGLE-3 (chains; ``-tree``: EAGLE-2 trees; ``-whole``: unsplit), three MTP modules on the tiny Llama, DeepSeek-V3's
-    own MTP module (``-ep``: experts whole per rank), GLM-4.5's (also ``-ep``), Qwen3.5's (a hybrid linear-attention
-    target), Medusa, ReDrafter; heads written to accept often."""
+    """(the target's folder, the model folder to serve, the speculative_config) of a hidden-state drafter case: EAGLE-3
+    (chains; ``-tree``: EAGLE-2 trees; ``-static``: a static tree; ``-whole``: unsplit), three MTP modules on the tiny
+    Llama, DeepSeek-V3's own MTP module (``-ep``: experts whole per rank), GLM-4.5's (also ``-ep``), Qwen3.5's (a hybrid
+    linear-attention target), Medusa, ReDrafter; heads written to accept often."""
     if method.startswith("deepseek-mtp"):
         target = request.getfixturevalue("tiny_deepseek_dir")
         return target, draft_heads.write_deepseek_mtp(tmp_path / "ds_mtp", target), {
@@ -371,6 +371,8 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
         model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
         if method == "eagle3-tree":
             spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3)
+        if method == "eagle3-static":  # vLLM's static tree, in its Python-literal form
+            spec.update(speculative_token_tree="[(0,), (1,), (0, 0), (0, 2), (0, 0, 0)]")
     elif method == "medusa":
         head = draft_heads.write_medusa_heads(tmp_path / "medusa", tiny_llama_dir, accepting=True)
         model, spec = tiny_llama_dir, {"method": "medusa", "model": str(head)}
@@ -425,30 +427,30 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 
 # DeepSeek-V3's and GLM-4.5's MTP blocks are one module: its experts split by width on GLM's, whole on DeepSeek's.
 # (EAGLE-3's chains split over two ranks: test_heads_on_the_last_pipeline_stage_keep_greedy_output's eagle3-tp2.)
-HEAD_CASES = ["eagle3-tree", "eagle3-whole", "mtp3", "deepseek-mtp-ep", "glm-mtp", "qwen3_5-mtp-tree", "mimo-mtp",
-              "medusa", "redrafter", "dflash", "dflash-tree"]
+HEAD_CASES = ["eagle3-tree", "eagle3-static", "eagle3-whole", "mtp3", "deepseek-mtp-ep", "glm-mtp", "qwen3_5-mtp-tree",
+              "mimo-mtp", "medusa", "redrafter", "dflash", "dflash-tree"]
 # a sampled request's tree drawn from q (checked sampled too)
-DRAWN_TREES = ("eagle3-tree", "qwen3_5-mtp-tree", "medusa", "redrafter", "dflash-tree")
+DRAWN_TREES = ("eagle3-tree", "eagle3-static", "qwen3_5-mtp-tree", "medusa", "redrafter", "dflash-tree")
 
 
 @pytest.mark.parametrize("method", HEAD_CASES)
 def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
-    """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (EAGLE-2 trees; its
-    chains over the last pipeline stage's two ranks above), three distinct MTP modules (num_nextn_predict_layers=3),
-    DeepSeek-V3's own MTP module (its block's latent attention, experts whole per rank with the target's
-    enable_expert_parallel), GLM-4.5's (its block's grouped-query attention split by head, partial RoPE, experts split
-    by width), Qwen3.5's drafting EAGLE-2 trees over a hybrid target whose linear layers' recurrent state splits by head
-    too (its gated attention split by head), MiMo-V2-Flash's two chained modules (sliding-window layers with sinks,
-    their KV heads split), Medusa's heads and ReDrafter's recurrent drafter (beams merged into a tree; each rank its
-    rows of the LM heads), DFlash's block drafter (its layers split by head, its context projection whole on every
-    rank). Each rank holds its half of the head (and its heads' share of the head's KV), reads the target's own split
-    embedding and LM head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are
-    one rank's: with a fixed draft count the same drafts are made and kept as on one rank; greedy output equals one
-    rank's plain output; no block leaked; the ranks' processes never import transformers. EAGLE-2 (EAGLE-3's, Qwen3.5's
-    MTP's), Medusa and ReDrafter trees also for sampled requests, drawn from q and verified against it on rank 0: the
-    same seeds give the same tokens as one rank, and unseeded ones (each rank draws from a stream seeded alike) finish.
-    ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the target's embedding and LM head
-    gathered whole once; rank 1 holds nothing of it."""
+    """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (EAGLE-2 trees, a
+    static tree; its chains over the last pipeline stage's two ranks above), three distinct MTP modules
+    (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's latent attention, experts whole per rank
+    with the target's enable_expert_parallel), GLM-4.5's (its block's grouped-query attention split by head, partial
+    RoPE, experts split by width), Qwen3.5's drafting EAGLE-2 trees over a hybrid target whose linear layers' recurrent
+    state splits by head too (its gated attention split by head), MiMo-V2-Flash's two chained modules (sliding-window
+    layers with sinks, their KV heads split), Medusa's heads and ReDrafter's recurrent drafter (beams merged into a
+    tree; each rank its rows of the LM heads), DFlash's block drafter (its layers split by head, its context projection
+    whole on every rank). Each rank holds its half of the head (and its heads' share of the head's KV), reads the
+    target's own split embedding and LM head, and drafts in lockstep with the driver from the verdict the driver sends
+    it. The drafts are one rank's: with a fixed draft count the same drafts are made and kept as on one rank; greedy
+    output equals one rank's plain output; no block leaked; the ranks' processes never import transformers. EAGLE-2
+    (EAGLE-3's, Qwen3.5's MTP's), static, Medusa and ReDrafter trees also for sampled requests, drawn from q and
+    verified against it on rank 0: the same seeds give the same tokens as one rank, and unseeded ones (each rank draws
+    from a stream seeded alike) finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the
+    target's embedding and LM head gathered whole once; rank 1 holds nothing of it."""
     prompts = prompts_for(8, seed=3)
     target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
     deepseek = method.startswith("deepseek")

@@ -26,6 +26,7 @@ from specray.models.draft_head_loader import load_draft_head
 from specray.models.kv_cache import allocate_kv_cache, slots_of
 from specray.models.loader import load_hf_config, load_model
 from specray.sampling import SamplingBatch, logits_to_probs
+from specray.tree import parse_token_tree
 import specray_test_draft_heads as draft_heads  # tests/draft_heads.py (tests/conftest.py registers it)
 from specray_test_engine_runs import (PROMPTS, Recorder, check_candidates, greedy,  # tests/engine_runs.py
                                       siblings_reversed, token_ids)
@@ -34,10 +35,14 @@ CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
 TREE = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}
 # "mtp3": three distinct MTP modules (num_nextn_predict_layers=3), each drafting one position further
-METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "mtp-tree", "medusa", "redrafter")
+# "-static": vLLM's static tree (speculative_token_tree, its Python-literal string): 2 nodes at depth 1, a rank left
+# out at depth 2 (a greedy node's rank is not its place among its siblings), 5 nodes (all verified)
+STATIC = "[(0,), (1,), (0, 0), (0, 2), (0, 0, 0)]"
+METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "mtp-tree", "eagle3-static", "medusa", "redrafter")
 # ReDrafter: 3 beams of 3 drafts each, merged into a prefix tree
 BEAMS = {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}
 TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "mtp-tree": TREE["dynamic_tree_max_topK"],
+                "eagle3-static": 2, "mtp-static": 2,
                 "medusa": 3,  # -> nodes at depth 1 of its tree
                 "redrafter": BEAMS["redrafter_num_beams"]}
 
@@ -83,10 +88,11 @@ def engine_kwargs(target_dir: Path, heads, kind: str, method: str, k: int = 3, *
     """``LLM`` arguments for ``method``'s ``kind`` head: MTP's layers live in the target's own (copied) folder."""
     method, _, lookup = method.partition("+")  # "eagle3+ngram": combined with a lookup drafter
     tree = method in TREE_METHODS
-    method = method.removesuffix("-tree")
+    shape = {"tree": TREE, "static": {"speculative_token_tree": STATIC}}.get(method.partition("-")[2], {})
+    method = method.removesuffix("-tree").removesuffix("-static")
     folder = heads.get((kind, method))
-    spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False,
-            **(TREE if tree and method in ("eagle3", "mtp") else {}), **(BEAMS if method == "redrafter" else {})}
+    spec = {"method": method, "num_speculative_tokens": 5 if tree else k, "adaptive": False, **shape,
+            **(BEAMS if method == "redrafter" else {})}
     if method == "mtp3":
         method = spec["method"] = "mtp"
         spec["num_nextn_predict_layers"] = 3
@@ -274,7 +280,7 @@ def test_greedy_with_penalties_equals_plain(target_dir, heads, plain, method):
     params = [greedy(16, repetition_penalty=1.5), greedy(16, frequency_penalty=0.8, presence_penalty=0.3),
               greedy(16), greedy(16, repetition_penalty=0.8)]
     want = token_ids(plain.generate(PROMPTS[:4], params, use_tqdm=False))
-    llm = make_llm(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=24)
+    llm = make_llm(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=26)
     assert token_ids(llm.generate(PROMPTS[:4], params, use_tqdm=False)) == want
     assert llm.spec_stats.accepted_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
 
@@ -477,6 +483,28 @@ class DenseHead:
                 assert score == pytest.approx(nodes[path][1], abs=1e-5), (path, score, nodes[path])
 
 
+    @torch.inference_mode()
+    def check_static_tree(self, tokens: list[int], drafts: list[int], parents: list[int], scores: list[float],
+                          shape: list[tuple[int, ...]]) -> None:
+        """``drafts`` / ``parents`` / ``scores`` (the worker's greedy static tree, made after ``tokens`` were committed)
+        are the first nodes of ``shape`` (paths of ranks, level by level) with node (r1, .., rd) the rd-th best token
+        of the head run densely as a chain along its parent's path, scored by its probability there (a near tie,
+        under 1e-4 apart, may go either way)."""
+        n = len(tokens) - 1
+        root = self.first_pass(tokens, n)[:2]
+        index = {path: i for i, path in enumerate(shape)}
+        assert parents == [index[path[:-1]] if len(path) > 1 else -1 for path in shape[: len(drafts)]]
+        for i, path in enumerate(shape[: len(drafts)]):
+            feedback, normed = root[0][-1:], root[1][-1:]
+            ancestors = [index[path[:d]] for d in range(1, len(path))]
+            for step, node in enumerate(ancestors):
+                feedback, normed = self.head(torch.tensor([drafts[node]]), feedback, self._meta(1, n + step))
+            probs = torch.softmax(self.head.full_vocab_logits(normed)[0], -1)
+            top, ids = probs.topk(path[-1] + 1)
+            if drafts[i] != int(ids[-1]):
+                assert abs(float(probs[drafts[i]]) - float(top[-1])) < 1e-4, (tokens, i, drafts, ids.tolist())
+            assert scores[i] == pytest.approx(float(probs[drafts[i]]), abs=1e-5), (i, scores[i])
+
 def worker_head_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
     """The head's cached K/V of the request's first ``n`` positions, read through its block table on the worker."""
     runner = engine.executor.worker.runner
@@ -546,7 +574,7 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
     assert free_blocks(llm) == 28
 
 
-@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree"])
+@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree", "eagle3-static", "mtp-static"])
 def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method):
     """After every step, each greedy request's EAGLE-2 tree (an EAGLE-3 head's, an MTP module's: one pass per level
     over every node so far, with ancestor masks) is EAGLE-2 recomputed with the head run densely as a chain along
@@ -557,7 +585,7 @@ def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method):
     llm = LLM(kwargs.pop("model"), **kwargs)
     engine = llm.engine
     engine.executor = rec = Recorder(engine.executor)
-    head = method.removesuffix("-tree")
+    head, _, kind = method.partition("-")
     model = str(heads["accepting", "mtp"]) if head == "mtp" else str(target_dir)
     dense = DenseHead(model, head, model if head == "mtp" else str(heads["accepting", head]))
     tok = llm.get_tokenizer()
@@ -573,8 +601,11 @@ def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method):
             drafts, parents, scores = made.get(req.req_id, ([], [], []))
             if drafts:
                 assert req.num_computed_tokens == req.num_tokens - 1
-                dense.check_tree(req.all_token_ids, drafts, parents, scores, TREE["dynamic_tree_max_topK"],
-                                 TREE["dynamic_tree_depth"])
+                if kind == "static":
+                    dense.check_static_tree(req.all_token_ids, drafts, parents, scores, parse_token_tree(STATIC))
+                else:
+                    dense.check_tree(req.all_token_ids, drafts, parents, scores, TREE["dynamic_tree_max_topK"],
+                                     TREE["dynamic_tree_depth"])
                 checked += 1
                 branched += len(set(parents)) < len(parents)
     assert engine.scheduler.num_preemptions > 0
@@ -1117,6 +1148,11 @@ def test_relaxed_acceptance_with_a_head_keeps_candidates_in_the_thinking_phase(t
                                                                    r".* has 3 MTP module"),
     ({**TREE, "num_speculative_tokens": 3}, r"use_dynamic_tree=True with num_nextn_predict_layers=3: .* set "
                                             r"num_nextn_predict_layers=1"),
+    ({"speculative_token_tree": STATIC, "num_speculative_tokens": 3}, "a speculative_token_tree with "
+                                                                      "num_nextn_predict_layers=3"),
+    ({**TREE, "speculative_token_tree": [[0]], "num_nextn_predict_layers": 1}, "both use_dynamic_tree=True and a "
+                                                                               "speculative_token_tree"),
+    ({"speculative_token_tree": "[(0,), (x,)]", "num_nextn_predict_layers": 1}, "neither JSON .* nor a Python literal"),
 ])
 def test_distinct_mtp_modules_settings_are_checked(target_dir, heads, spec, match):
     kwargs = engine_kwargs(target_dir, heads, "accepting", "mtp3")
@@ -1289,12 +1325,12 @@ def test_sampled_output_keeps_the_target_distribution_when_drawn_chains_and_tree
     assert pvalue > 1e-3
 
 
-@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree", "medusa", "redrafter"])
+@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree", "eagle3-static", "medusa", "redrafter"])
 def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_dir, heads, looping_prompt,
                                                                          monkeypatch, method):
-    """EAGLE-2's (an EAGLE-3 head's, an MTP module's), Medusa's and ReDrafter's trees for sampled requests beside greedy
-    ones: the sampled ones' rows carry the q their children were drawn from (each a distribution, and every child's
-    token has mass under its row's q), the greedy ones' none; greedy output stays plain output."""
+    """EAGLE-2's (an EAGLE-3 head's, an MTP module's), a static tree's, Medusa's and ReDrafter's trees for sampled
+    requests beside greedy ones: the sampled ones' rows carry the q their children were drawn from (each a distribution,
+    and every child's token has mass under its row's q), the greedy ones' none; greedy output stays plain output."""
     from specray.workers import model_runner
 
     seen = []
@@ -2119,8 +2155,9 @@ def test_sampled_output_keeps_the_target_distribution_with_eagle3_on_a_hybrid_ta
 @pytest.fixture(scope="module")
 def hybrid_tree_heads(hybrid_dirs, hybrid_eagle, tmp_path_factory):
     """case -> (model folder, speculative_config, plain greedy outputs) of a head drafting trees for Qwen3.5: its own
-    MTP layer and the EAGLE-3 head growing EAGLE-2 trees, Medusa's heads, ReDrafter's beams, DFlash's static tree (on
-    its own copy of the target, whose mask token's row embeds to zero); every head written to accept often."""
+    MTP layer growing EAGLE-2 trees and a static one, the EAGLE-3 head growing EAGLE-2 trees, Medusa's heads,
+    ReDrafter's beams, DFlash's static tree (on its own copy of the target, whose mask token's row embeds to zero);
+    every head written to accept often."""
     target, accepting, _ = hybrid_dirs("qwen3_5")
     root = tmp_path_factory.mktemp("hybrid_trees")
     plain = hybrid_eagle[1]
@@ -2130,6 +2167,7 @@ def hybrid_tree_heads(hybrid_dirs, hybrid_eagle, tmp_path_factory):
                                       target_layer_ids=[0, 2], accepting=True)
     return {
         "mtp-tree": (accepting, {"method": "mtp", **tree}, plain),
+        "mtp-static": (accepting, {"method": "mtp", "speculative_token_tree": STATIC, "adaptive": False}, plain),
         "eagle3-tree": (target, {"method": "eagle3", "model": str(hybrid_eagle[2]["accepting", "eagle3"]), **tree},
                         plain),
         "medusa": (target, {"method": "medusa", "num_speculative_tokens": 5, "adaptive": False,
@@ -2144,8 +2182,8 @@ def hybrid_tree_heads(hybrid_dirs, hybrid_eagle, tmp_path_factory):
                         hybrid_generate(LLM(str(dflash_target), max_model_len=128)))}
 
 
-@pytest.mark.parametrize("case", ["mtp-tree", "mtp-tree-chunked-prefill", "mtp-tree-preemption", "eagle3-tree",
-                                  "medusa", "redrafter", "dflash-tree"])
+@pytest.mark.parametrize("case", ["mtp-tree", "mtp-tree-chunked-prefill", "mtp-tree-preemption", "mtp-static",
+                                  "eagle3-tree", "medusa", "redrafter", "dflash-tree"])
 def test_head_trees_on_a_hybrid_target_keep_greedy_output(hybrid_tree_heads, case):
     """Every head's token trees verified on Qwen3.5 (Gated DeltaNet layers beside gated attention): each node's
     recurrent state runs from its parent's, the accepted path's pending inputs are put in path order by the next

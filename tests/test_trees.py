@@ -250,7 +250,13 @@ def test_sampled_tree_drafts_run_and_are_seeded(tiny_llama_dir):
 
 
 def test_bad_token_tree_is_a_clear_error(tiny_llama_dir):
-    for bad, match in [("[[0], [", "not JSON"), ([[0], [-1]], "ranks >= 0"), ([], "non-empty"), ([[0], 3], "path")]:
+    from specray.tree import parse_token_tree
+
+    # vLLM's Python-literal string reads as the JSON and list forms do
+    assert parse_token_tree("[(0,), (1,), (0, 0)]") == parse_token_tree("[[0], [1], [0, 0]]") == parse_token_tree(
+        [[0, 0], [1]]) == [(0,), (1,), (0, 0)]
+    for bad, match in [("[[0], [", "neither JSON .* nor a Python literal"), ([[0], [-1]], "ranks >= 0"),
+                       ([], "non-empty"), ([[0], 3], "path")]:
         with pytest.raises(ValueError, match=match):
             LLM(model=str(tiny_llama_dir), max_model_len=256,
                 speculative_config={**NGRAM_STATIC, "speculative_token_tree": bad})

@@ -1,8 +1,8 @@
-"""The worker side of the drafters that read the target's hidden states (EAGLE-1, EAGLE-3, EAGLE-2 trees, MTP):
-they run inside the target's workers (the driver rank, or every rank with the head split over them, each on its
-share, from the driver's verdict), right after verification, so drafting costs no round trip and nothing of
-vocabulary size leaves the worker. Their options live in :mod:`specray.drafters.hidden_state`; the worker gets them
-as plain data (:func:`specray.drafters.hidden_state.worker_config`).
+"""The worker side of the drafters that read the target's hidden states (EAGLE-1, EAGLE-3, EAGLE-2 and static trees,
+MTP): they run inside the target's workers (the driver rank, or every rank with the head split over them, each on its
+share, from the driver's verdict), right after verification, so drafting costs no round trip and nothing of vocabulary
+size leaves the worker. Their options live in :mod:`specray.drafters.hidden_state`; the worker gets them as plain data
+(:func:`specray.drafters.hidden_state.worker_config`).
 
 The step, for every request in the plan (one batched pass each):
 
@@ -47,7 +47,10 @@ of a level go to frontier node f's j-th child by the score the parent's path and
 log of q_f's j-th largest probability), and each f then draws as many children as it got slots. The nodes go level
 by level (a level's children parent by parent, each parent's in draw order), the tree carries no scores, and it is
 only ever cut to a prefix of that order, sized by the worker's shape rather than the tree's own
-(``LLMEngine._as_priced``), so the cut never looks at a drawn token either.
+(``LLMEngine._as_priced``), so the cut never looks at a drawn token either. A static tree (vLLM's
+``speculative_token_tree``, :class:`StaticShape`) is grown level by level the same way, its nodes fixed by the tree:
+a greedy request's node of rank r is its parent's r-th best token; a sampled request's parent draws its children in
+node order without replacement from its q, as Medusa's (its drawn tree priced as it is, as Medusa's).
 Drafts return in ``StepResult.draft_token_ids`` and the engine hands them to the scheduler for the next step.
 """
 
@@ -100,6 +103,38 @@ class TreeShape:
     def lookahead_slots(self) -> int:
         """Slots past the root the head writes while growing the tree (every node but the deepest level's)."""
         return self.top_k * (self.depth - 1)
+
+
+class StaticShape:
+    """A static token tree (vLLM's ``speculative_token_tree``): nodes as paths of candidate ranks, level by level
+    (parents before children). Per level: its nodes' parents, the parents that have children there (the rows the
+    level's head logits are read from: 0 the root's, n + 1 node n's), and per node its parent's place among them,
+    its rank (a greedy request's: its parent's rank-th best token) and its place among its siblings (a sampled
+    request's: its parent's that-many-th draw without replacement)."""
+
+    def __init__(self, paths: list[list[int]]):
+        self.paths = [tuple(p) for p in paths]
+        assert [len(p) for p in self.paths] == sorted(len(p) for p in self.paths), "a static tree comes level by level"
+        index = {p: i for i, p in enumerate(self.paths)}
+        self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in self.paths]
+        self.levels: list[tuple[list[int], list[int], list[int], list[int], list[int]]] = []
+        self.widths: list[tuple[int, int]] = []  # per level: the top-k a greedy parent reads, a sampled one's draws
+        for depth in range(1, max(len(p) for p in self.paths) + 1):
+            nodes = [i for i, p in enumerate(self.paths) if len(p) == depth]
+            rows = sorted({self.parents[i] + 1 for i in nodes})  # the drawing parents' rows
+            siblings = {r: [i for i in nodes if self.parents[i] + 1 == r] for r in rows}
+            self.levels.append(([self.parents[i] for i in nodes], rows,
+                                [rows.index(self.parents[i] + 1) for i in nodes], [self.paths[i][-1] for i in nodes],
+                                [siblings[self.parents[i] + 1].index(i) for i in nodes]))
+            self.widths.append((1 + max(self.paths[i][-1] for i in nodes), max(len(k) for k in siblings.values())))
+        self._on: dict[torch.device, list[tuple[torch.Tensor, ...]]] = {}
+
+    def on(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        """Each level's (parents, rows, place, rank, sibling) as index tensors on ``device``, made once."""
+        if device not in self._on:
+            self._on[device] = [tuple(torch.tensor(x, dtype=torch.long, device=device) for x in level)
+                                for level in self.levels]
+        return self._on[device]
 
 
 @dataclass(frozen=True)
@@ -270,7 +305,7 @@ class HiddenStateDrafter(DrawsFromQ):
 
     reads_images = True
 
-    def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | None = None,
+    def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | StaticShape | None = None,
                  driver: bool = True, seed: int = 0, step_graphs: bool = False, kv_cache_dtype: str = "auto"):
         super().__init__(getattr(head, "tp", None), driver, seed)
         self.head = head
@@ -608,7 +643,10 @@ class HiddenStateDrafter(DrawsFromQ):
         """Greedy requests' trees by :meth:`_tree`, sampled ones' by :meth:`_sampled_tree`, each group in one
         batch (``inputs``: as :meth:`_chain`'s)."""
         sampled = [] if draw is None else draw.sampled
+        static = isinstance(self.tree, StaticShape)
         if not sampled:
+            if static:
+                return self._static_tree(plan, work, tables, roots, feedback, normed, inputs)
             return self._tree(work, tables, roots, feedback, normed, inputs)
         drawn = set(sampled)
         greedy = [j for j in range(len(work)) if j not in drawn]
@@ -620,8 +658,11 @@ class HiddenStateDrafter(DrawsFromQ):
             args = ([work[j] for j in group], [tables[j] for j in group], [roots[j] for j in group],
                     feedback.index_select(0, index), normed.index_select(0, index),
                     None if inputs is None else [inputs[j] for j in group])
-            out = (self._sampled_tree(plan, *args, draw.batch(group, feedback.device)) if from_q
-                   else self._tree(*args))
+            batch = draw.batch(group, feedback.device) if from_q else None
+            if static:
+                out = self._static_tree(plan, *args, batch)
+            else:
+                out = self._sampled_tree(plan, *args, batch) if from_q else self._tree(*args)
             for j, drafted in zip(group, out):
                 made[j] = drafted
         return made
@@ -726,6 +767,61 @@ class HiddenStateDrafter(DrawsFromQ):
             made.append(Drafted([int(token_ids[n]) for n in chosen],
                                 [-1 if par[n] < 0 else index[int(par[n])] for n in chosen],
                                 [prob[n] for n in chosen]))
+        return made
+
+    def _static_tree(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
+                     feedback: torch.Tensor, normed: torch.Tensor, inputs: list[MultiModalInputs | None] | None,
+                     batch: SamplingBatch | None = None) -> list[Drafted]:
+        """A static tree per request (:class:`StaticShape`), level by level, each level after the first from one head
+        pass over every node so far (:meth:`_over_nodes`, as EAGLE-2's levels): a greedy request's node of rank r is
+        its parent's r-th best token, scored by its probability there; a sampled request's (``batch``) parent draws
+        its children one after another without replacement from its q (the request's warpers over the head's logits),
+        the tree carrying no scores, its rows' q kept for verification. Each request keeps its first ``drafts`` nodes
+        (a sampled one's with mass under their q, their parents kept)."""
+        shape: StaticShape = self.tree
+        b, h = feedback.shape
+        device = feedback.device
+        tok = torch.zeros(b, 0, dtype=torch.long, device=device)  # draft-vocabulary ids
+        own = torch.zeros(b, 0, device=device)  # each node's probability under its parent (sampled: its q there)
+        node_features, depth = feedback.new_zeros(b, 0, h), []
+        ancestors = torch.zeros(b, 0, 0, dtype=torch.bool, device=device)
+        rows_fb, rows_nm = feedback[:, None], normed[:, None]  # row 0 the root's, row n + 1 node n's
+        q_rows = None  # sampled: [B, 1 + nodes, V_draft], q at each row that has children (zeros elsewhere)
+        for d, ((parents, rows, place, rank, sibling), (top, draws)) in enumerate(zip(shape.on(device), shape.widths),
+                                                                                start=1):
+            if depth:
+                fb, nm = self._over_nodes(tok, node_features, ancestors, depth, roots, tables, inputs)
+                rows_fb, rows_nm = torch.cat([feedback[:, None], fb], 1), torch.cat([normed[:, None], nm], 1)
+            p, m = rows.numel(), parents.numel()
+            logits = self.head.draft_logits(rows_nm.index_select(1, rows).reshape(b * p, h))
+            if batch is None:
+                probs, ids = torch.softmax(logits.float(), dim=-1).topk(top, dim=-1)
+                new_tok, new_own = ids.view(b, p, -1)[:, place, rank], probs.view(b, p, -1)[:, place, rank]
+            else:
+                q = logits_to_probs(logits, batch.repeat_rows(p))  # [B * p, V_draft]
+                drawn = sample_without_replacement(q, batch.repeat_rows(p), draws)
+                q = q.view(b, p, -1)
+                new_tok = drawn.view(b, p, -1)[:, place, sibling]
+                new_own = q[:, place].gather(2, new_tok[:, :, None]).squeeze(2)
+                if q_rows is None:
+                    q_rows = q.new_zeros(b, 1 + len(shape.paths), q.shape[-1])
+                q_rows[:, rows] = q
+            ancestors = (torch.eye(m, dtype=torch.bool, device=device).expand(b, m, m) if d == 1
+                         else _grown(ancestors, parents.expand(b, m)))
+            node_features = torch.cat([node_features, rows_fb.index_select(1, parents + 1)], dim=1)
+            tok, own, depth = torch.cat([tok, new_tok], dim=1), torch.cat([own, new_own], dim=1), depth + [d] * m
+        host = torch.stack([self.head.to_target_ids(tok).double(), own.double()]).tolist()  # the drafts' one host sync
+        made = []
+        for i, w in enumerate(work):
+            if batch is None:
+                made.append(Drafted([int(t) for t in host[0][i][: w.drafts]], shape.parents[: w.drafts],
+                                    host[1][i][: w.drafts]))
+                continue
+            keep, drafted = drawn_tree(host[0][i], shape.parents, [x > 0 for x in host[1][i]], w.drafts)
+            made.append(drafted)
+            if self.driver:  # the q it verifies against, over the target's vocabulary: only the kept rows
+                q = self.head.full_vocab(q_rows[i].index_select(0, _index(tree_rows(keep), device)), 0.0)
+                self._drawn[plan.chunks[w.chunk].req_id] = Drawn(drafted.token_ids, q, drafted.parents)
         return made
 
     def _over_nodes(self, tok: torch.Tensor, node_features: torch.Tensor, ancestors: torch.Tensor,
@@ -859,8 +955,10 @@ def rows_of_last_tokens(plan: StepPlan, kept: dict[int, list[int]], paths: dict[
     return out
 
 
-def tree_shape_of(config: dict) -> TreeShape | None:
-    """The dynamic tree a worker drafter's plain-data config asks for (None: chains)."""
+def tree_shape_of(config: dict) -> TreeShape | StaticShape | None:
+    """The tree a worker drafter's plain-data config asks for: EAGLE-2's dynamic one, a static one (None: chains)."""
+    if config.get("static_tree") is not None:
+        return StaticShape(config["static_tree"])
     tree = config.get("tree")
     return None if tree is None else TreeShape(*tree)
 
