@@ -9,7 +9,7 @@ ReDrafter's in :mod:`specray.workers.redrafter_drafter`),
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -138,7 +138,10 @@ class HeadTreeOptions(HeadOptions):
 
 @dataclass
 class EagleOptions(HeadTreeOptions):
-    """``speculative_config`` keys of ``method="eagle"`` and ``"eagle3"``."""
+    """``speculative_config`` keys of ``method="eagle"`` and ``"eagle3"``; TensorRT-LLM's ``eagle_choices`` is
+    the static tree's other name."""
+
+    ALIASES: ClassVar[dict[str, str]] = {"eagle_choices": "speculative_token_tree"}
 
     model: str | None = None  # the head's checkpoint folder or hub id (eagle3 on the default model: the bundled one)
 

@@ -512,8 +512,8 @@ def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "ngram", "model": "x"}),
      r"^speculative_config.model is an option of method 'draft_model' / 'eagle' .*, not of method='ngram'; remove "
      r"it \(its keys: \['acceptance', 'adaptive', "),
-    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "eagle3", "speculative_token_tree": [[0]]}),
-     r"^speculative_config.speculative_token_tree is an option of method 'ngram' / 'dflash', not of method='eagle3'"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "eagle3", "medusa_choices": [[0]]}),
+     r"^speculative_config.medusa_choices is an option of method 'medusa', not of method='eagle3'"),
     (lambda llm: llm.generate("ok", greedy(stop_token_ids=[10**6]), use_tqdm=False), "stop_token_ids"),
     (lambda llm: llm.generate("ok", greedy(logprobs=10**6), use_tqdm=False), "logprobs"),
     (lambda llm: llm.engine.add_request([5, 6], greedy(stop_token_ids=[10**6])), "stop_token_ids"),

@@ -1161,6 +1161,24 @@ def test_distinct_mtp_modules_settings_are_checked(target_dir, heads, spec, matc
         LLM(kwargs.pop("model"), **kwargs)
 
 
+
+def test_static_tree_options_read_vllm_and_tensorrt_llm_forms():
+    """vLLM's speculative_token_tree (its Python-literal string) and TensorRT-LLM's eagle_choices (paths only, their
+    prefixes implied) name the same static tree; the draft count defaults to its nodes, and the slots the scheduler
+    reserves past the root are its nodes above the deepest level (what the last level's pass reads)."""
+    from specray.config import SpeculativeConfig
+    from specray.drafters import registry
+
+    specs = [SpeculativeConfig.from_any({"method": "eagle3", "speculative_token_tree": STATIC}),
+             SpeculativeConfig.from_any({"method": "eagle3", "eagle_choices": [[0, 0, 0], [0, 2], [1]]})]
+    for spec in specs:
+        registry.check(spec)
+    assert [registry.options_of(spec).speculative_token_tree for spec in specs] == [
+        [[0], [1], [0, 0], [0, 2], [0, 0, 0]]] * 2
+    assert [spec.num_speculative_tokens for spec in specs] == [5, 5]
+    assert registry.worker_drafts_trees(specs[0]) and registry.worker_lookahead_slots(specs[0]) == 4
+    assert registry.worker_tree_shape(specs[0]) is None  # a drawn static tree is priced as it is, as Medusa's
+
 def test_distinct_mtp_modules_write_no_kv_past_the_committed_tokens(target_dir, heads):
     """Module k drafts at the last committed position (it reads the draft before it as its token), so no slots
     are reserved past the verified drafts, unlike one module drafting K positions ahead."""
