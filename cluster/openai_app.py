@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -773,13 +774,16 @@ class _AudioTextFormat(_Format):
     are an audio's clips in order (one unless the model takes no audio that long): their texts join with a space
     where neither side has one, and a stream tells a clip's text once every clip before it is done. ``transcript``:
     the transcript in a generation's text so far (a processor's ``transcription_text``: Qwen3-ASR's drops the
-    language it writes first), each one extending the last; None: the text as it is."""
+    language it writes first), each one extending the last; None: the text as it is. ``segments``: the answer is
+    ``verbose_json``'s (:class:`_Segments`)."""
 
     done = None  # transcript.text.done ends the stream
 
-    def __init__(self, *args, transcript: Callable[[str], str] | None = None, **kwargs):
+    def __init__(self, *args, transcript: Callable[[str], str] | None = None,
+                 segments: _Segments | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.transcript = transcript
+        self.segments = segments
         self.clips: list[_Choice] = []
         self.current = 0  # the clip being streamed (those before it are done)
         self.text = ""  # what the stream has told
@@ -791,7 +795,10 @@ class _AudioTextFormat(_Format):
         text = ""
         for choice in choices:
             text += _clip_text(text, self._transcript(choice))
-        return {"text": text, "usage": _audio_usage(usage)}
+        if self.segments is None:
+            return {"text": text, "usage": _audio_usage(usage)}
+        return {**self.segments.verbose(text, [self._transcript(c) for c in choices], [c.output for c in choices]),
+                "usage": _audio_usage(usage)}
 
     def sse(self, event: dict) -> str:
         return f"event: {event['type']}\n" + proto.sse(event)
@@ -816,6 +823,45 @@ class _AudioTextFormat(_Format):
 
     def stream_closing(self, choices: list[_Choice], include_usage: bool) -> list[dict]:
         return [{"type": "transcript.text.done", "text": self.text, "usage": _audio_usage(_usage(choices))}]
+
+
+@dataclass
+class _Segments:
+    """OpenAI's ``verbose_json`` of a transcription: its segments are the clips the audio was cut into (the models
+    served here write no timestamps of their own), each timed by where it lies in the audio (``spans``, seconds)."""
+
+    task: str  # "transcribe" or "translate"
+    language: str | None  # the request's (a translation's: "en", what it is written in)
+    duration: float  # the audio's, in seconds
+    spans: list[tuple[float, float]]  # each clip's start and end
+    temperature: float  # the request's
+
+    def verbose(self, text: str, texts: list[str], outputs: list[CompletionOutput]) -> dict:
+        """The answer's body less its usage: the whole text, then per clip its text, time, tokens, the mean
+        log-probability of its tokens under the model and its text's gzip compression ratio (Whisper's fields; no
+        ``no_speech_prob``: nothing here estimates it)."""
+        segments = []
+        for i, (clip, out, (start, end)) in enumerate(zip(texts, outputs, self.spans)):
+            raw, n = clip.encode(), len(out.token_ids)
+            mean = out.cumulative_logprob / n if n and out.cumulative_logprob is not None else None
+            segments.append({"id": i, "seek": round(start * 100), "start": start, "end": end, "text": clip,
+                             "tokens": list(out.token_ids), "temperature": self.temperature, "avg_logprob": mean,
+                             "compression_ratio": len(raw) / len(zlib.compress(raw)) if raw else 0.0})
+        return {"task": self.task, "language": self.language, "duration": self.duration, "text": text,
+                "segments": segments}
+
+
+def subtitles(body: dict, kind: str) -> str:
+    """A ``verbose_json`` body's segments as SubRip (``kind`` "srt") or WebVTT ("vtt") cues."""
+    def stamp(seconds: float) -> str:
+        ms = round(seconds * 1000)
+        return (f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}"
+                f"{',' if kind == 'srt' else '.'}{ms % 1000:03d}")
+
+    cues = [f"{stamp(seg['start'])} --> {stamp(seg['end'])}\n{seg['text'].strip()}\n" for seg in body["segments"]]
+    if kind == "srt":
+        return "\n".join(f"{i + 1}\n{cue}" for i, cue in enumerate(cues))
+    return "WEBVTT\n\n" + "\n".join(cues)
 
 
 def _clip_text(before: str, text: str) -> str:
@@ -1159,10 +1205,11 @@ class OpenAIServing:
         streamed as OpenAI's ``transcript.text.*`` events. An audio longer than the model takes in one prompt (its
         processor's ``max_audio_samples``) is cut into clips (:func:`~specray.multimodal.audio_clips`), each a
         generation of its own, run as a request's choices are (``max_seats_per_request`` at once); their texts
-        join in order, and the usage counts them all."""
+        join in order, and the usage counts them all. ``verbose_json`` adds the clips as timed segments
+        (:class:`_Segments`), ``srt`` and ``vtt`` write them as subtitle cues (:func:`subtitles`)."""
         form, audio = proto.parse_audio_form(*body, task)
         lora = await self._resolve_model(form.model)
-        prompts = await self._off_loop(lambda: self._encode_audio_prompts(form, audio, task))
+        prompts, spans = await self._off_loop(lambda: self._encode_audio_prompts(form, audio, task))
         longest = max(len(p.token_ids) for p in prompts)
         proto.check_context(longest, None, self.client.max_model_len, "file")
         limit = self.client.max_model_len - longest
@@ -1175,26 +1222,34 @@ class OpenAIServing:
                     "a shorter audio", "file")
             limit = min(limit, cap // len(prompts))
         # the sampling fields a chat request would carry (its messages unused: the prompt is the audio's)
+        verbose = form.response_format in proto.SEGMENT_FORMATS
         req = proto.parse_request(proto.ChatCompletionRequest, {
             "messages": [{"role": "user", "content": ""}], "temperature": form.temperature, "max_tokens": limit,
             "stream": form.stream})
         request_id = proto.new_id("trsc")
-        choices = self._choices(req, prompts, limit, None, request_id, lora=lora)
+        # (segments: each token's log-probability, for their avg_logprob)
+        choices = self._choices(req, prompts, limit, 0 if verbose else None, request_id, lora=lora)
         transcript = getattr(getattr(self.client, "image_processor", None), "transcription_text", None)
+        segments = None if not verbose else _Segments(
+            task, "en" if task == "translate" else form.language, spans[-1][1] if spans else 0.0, spans,
+            form.temperature)
         fmt = _AudioTextFormat(request_id, self._response_model(lora), self._logprob_format(req), None,
-                               transcript=transcript)
+                               transcript=transcript, segments=segments)
         response = await self._run(req, choices, fmt, arrival)
-        if form.response_format == "text" and not form.stream:
-            return PlainTextResponse(json.loads(response.body)["text"])
-        return response
+        if form.stream or form.response_format in ("json", "verbose_json"):
+            return response
+        answer = json.loads(response.body)
+        return PlainTextResponse(answer["text"] if form.response_format == "text"
+                                 else subtitles(answer, form.response_format))
 
-    def _encode_audio_prompts(self, form: proto.TranscriptionRequest, audio: bytes, task: str) -> list[_Prompt]:
-        """The prompts of an audio request, one per clip of the audio (one clip where the model takes it whole):
-        the processor's own (``transcription_prompt``: Voxtral's), or the chat template's rendering of the
-        processor's chat (``transcription_messages``: Qwen3-ASR's, its last turn, the assistant's, continued;
-        OmniASR's, Fun-ASR-Nano's) or of a user turn holding the audio and the task's instruction (the processor's
-        ``transcription_instruction`` where it names one), the clip in its placeholder. Clips are halved, down to a
-        second, while a clip's prompt would take more than half the context."""
+    def _encode_audio_prompts(self, form: proto.TranscriptionRequest, audio: bytes, task: str
+                              ) -> tuple[list[_Prompt], list[tuple[float, float]]]:
+        """The prompts of an audio request, one per clip of the audio (one clip where the model takes it whole), and
+        each clip's start and end in the audio (seconds). A prompt is the processor's own (``transcription_prompt``:
+        Voxtral's), or the chat template's rendering of the processor's chat (``transcription_messages``: Qwen3-ASR's,
+        its last turn, the assistant's, continued; OmniASR's, Fun-ASR-Nano's) or of a user turn holding the audio and
+        the task's instruction (the processor's ``transcription_instruction`` where it names one), the clip in its
+        placeholder. Clips are halved, down to a second, while a clip's prompt would take more than half the context."""
         processor = getattr(self.client, "image_processor", None)
         if processor is None or getattr(processor, "audio_token_id", None) is None:
             raise proto.bad_request("this model reads no audio: send audio to a model that takes it (the README's "
@@ -1240,7 +1295,8 @@ class OpenAIServing:
             # model's bound would not: Voxtral's fills its context), down to clips of a second
             longest = max(len(c) for c in clips)
             if 2 * max(len(p.token_ids) for p in prompts) <= self.client.max_model_len or longest <= rate:
-                return prompts
+                ends = list(itertools.accumulate(len(c) for c in clips))
+                return prompts, [(a / rate, b / rate) for a, b in zip([0, *ends[:-1]], ends)]
             most = max(rate, longest // 2)
 
     async def _responses(self, body: Any, arrival: float) -> Response:

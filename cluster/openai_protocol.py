@@ -1294,6 +1294,8 @@ def _finite(logprob: Logprob | None) -> float:
 # ---- audio transcriptions and translations (OpenAI's /v1/audio/*: multipart forms) -------------------------------
 
 AUDIO_TASKS = {"transcriptions": "transcribe", "translations": "translate"}
+AUDIO_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")  # OpenAI's, for an audio's text
+SEGMENT_FORMATS = ("verbose_json", "srt", "vtt")  # the formats that give segments: the audio's clips, timed
 
 
 class TranscriptionRequest(_Strict):
@@ -1306,14 +1308,35 @@ class TranscriptionRequest(_Strict):
     response_format: str = "json"
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     stream: bool = False
+    # "segment" (with verbose_json), from the form's timestamp_granularities[] fields
+    timestamp_granularities: list[str] = Field(default_factory=list)
 
     @field_validator("response_format")
     @classmethod
     def _served_format(cls, value: str) -> str:
-        if value not in ("json", "text"):
-            raise bad_request(f"response_format={value!r} is not served: this server writes no timestamps or "
-                              "subtitles; send 'json' or 'text'", "response_format")
+        if value not in AUDIO_FORMATS:
+            raise bad_request(f"response_format={value!r} is not served: send one of "
+                              f"{', '.join(repr(f) for f in AUDIO_FORMATS)}", "response_format")
         return value
+
+    @model_validator(mode="after")
+    def _segments(self) -> "TranscriptionRequest":
+        if self.stream and self.response_format in SEGMENT_FORMATS:
+            raise bad_request(f"stream=true writes the text as it comes (response_format 'json' or 'text'), not "
+                              f"{self.response_format!r}, whose segments come once every clip is done; leave stream "
+                              "out", "stream")
+        for granularity in self.timestamp_granularities:
+            if granularity == "word":
+                raise bad_request("timestamp_granularities 'word' is not served: the models served here write no "
+                                  "timestamps of their own; 'segment' gives the times of the clips the audio is cut "
+                                  "into", "timestamp_granularities")
+            if granularity != "segment":
+                raise bad_request(f"timestamp_granularities {granularity!r} is neither 'segment' nor 'word'",
+                                  "timestamp_granularities")
+            if self.response_format != "verbose_json":
+                raise bad_request("timestamp_granularities needs response_format 'verbose_json' (as OpenAI's does)",
+                                  "timestamp_granularities")
+        return self
 
     @field_validator("language")
     @classmethod
@@ -1336,16 +1359,18 @@ def parse_audio_form(raw: bytes, content_type: str | None, task: str) -> tuple[T
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
     if not message.is_multipart():
         raise bad_request("the request body is not a multipart form: send the audio as its 'file' field")
-    fields: dict[str, str] = {}
+    fields: dict[str, Any] = {}
     audio = None
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")
         data = part.get_payload(decode=True) or b""
         if name == "file":
             audio = data
-        elif name in ("timestamp_granularities[]", "timestamp_granularities", "include[]", "include"):
-            raise bad_request(f"{name.rstrip('[]')} is not served: this server writes the text alone (no timestamps "
-                              "or logprobs); leave it out", name.rstrip("[]"))
+        elif name in ("include[]", "include"):
+            raise bad_request("include is not served: this server writes no logprobs of a transcript; leave it out",
+                              "include")
+        elif name in ("timestamp_granularities[]", "timestamp_granularities"):
+            fields.setdefault("timestamp_granularities", []).append(data.decode(errors="replace"))
         elif name:
             try:
                 fields[name] = data.decode()

@@ -5,6 +5,7 @@ families that read audio test their processors, encoders and engine runs in thei
 import base64
 import io
 import json
+import zlib
 import wave
 
 import numpy as np
@@ -416,9 +417,14 @@ def test_server_transcribes_audio_files(audio_family):
 
             for path, body, param, says in [
                 ("transcriptions", _form({"model": "tiny"}, None), "file", "no 'file' field"),
-                ("transcriptions", _form({"response_format": "srt"}, data), "response_format", "'srt' is not served"),
-                ("transcriptions", _form({"timestamp_granularities[]": "word"}, data), "timestamp_granularities",
-                 "not served"),
+                ("transcriptions", _form({"response_format": "diarized_json"}, data), "response_format",
+                 "'diarized_json' is not served"),
+                ("transcriptions", _form({"timestamp_granularities[]": "word", "response_format": "verbose_json"},
+                                         data), "timestamp_granularities", "'word' is not served"),
+                ("transcriptions", _form({"timestamp_granularities[]": "segment"}, data), "timestamp_granularities",
+                 "needs response_format 'verbose_json'"),
+                ("transcriptions", _form({"response_format": "srt", "stream": "true"}, data), "stream", "'srt'"),
+                ("transcriptions", _form({"include[]": "logprobs"}, data), "include", "not served"),
                 ("transcriptions", _form({"language": "English"}, data), "language", "ISO-639-1"),
                 ("transcriptions", _form({"temperature": "3"}, data), "temperature", "2"),
                 ("transcriptions", _form({"max_tokens": "3"}, data), "max_tokens", "max_tokens"),
@@ -444,7 +450,9 @@ class ClippedAudio(StandInAudio):
 def test_server_transcribes_a_long_audio_in_clips(audio_family):
     """An audio longer than the model takes is transcribed clip by clip (audio_clips: cut at its pauses), each
     clip's text what LLM.generate gives for the transcription prompt of that clip, joined in order, the usage their
-    sum; streamed (OpenAI's transcript.text.delta events, then transcript.text.done), the same text; the output
+    sum; streamed (OpenAI's transcript.text.delta events, then transcript.text.done), the same text; as
+    verbose_json, one segment per clip timed by where the clip lies in the audio, with its text, tokens, their mean
+    log-probability and the text's compression ratio, and as SubRip and WebVTT cues of those segments; the output
     bound per request shared by the clips, and an audio of more clips than it allows tokens a 400 naming file. A
     model with no bound of its own cuts an audio whose prompt would take over half the context into halves, down to
     clips of a second, each prompt within half the context."""
@@ -472,7 +480,7 @@ def test_server_transcribes_a_long_audio_in_clips(audio_family):
     ids = tok.encode(text, add_special_tokens=False)
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"audio": clip}} for clip in clips]
     cap = 15  # max_tokens_per_request: 5 a clip, within what the longest clip's prompt leaves of 64
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cap // 3), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cap // 3, logprobs=0), use_tqdm=False)
     want = outs[0].outputs[0].text
     for out in outs[1:]:  # the server's join: a space where neither side has one
         more = out.outputs[0].text
@@ -493,6 +501,31 @@ def test_server_transcribes_a_long_audio_in_clips(audio_family):
                                                              stream=True))
             assert [e.type for e in events[-1:]] == ["transcript.text.done"] and len(events) > 3
             assert "".join(e.delta for e in events[:-1]) == events[-1].text == want
+            verbose = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en",
+                                                         response_format="verbose_json",
+                                                         timestamp_granularities=["segment"])
+            ends = np.cumsum([len(c) for c in clips]) / RATE
+            assert (verbose.text, verbose.language, verbose.duration) == (want, "en", pytest.approx(2.5, abs=1e-3))
+            assert len(verbose.segments) == 3
+            for i, (seg, out, start, end) in enumerate(zip(verbose.segments, outs, [0.0, *ends[:-1]], ends)):
+                text, tokens = out.outputs[0].text, out.outputs[0].token_ids
+                assert (seg.id, seg.text, seg.tokens, seg.temperature) == (i, text, tokens, 0.0)
+                assert (seg.start, seg.end, seg.seek) == (pytest.approx(start), pytest.approx(end), round(start * 100))
+                assert seg.avg_logprob == pytest.approx(out.outputs[0].cumulative_logprob / len(tokens), abs=1e-4)
+                assert seg.compression_ratio == pytest.approx(len(text.encode()) / len(zlib.compress(text.encode())))
+            srt = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en",
+                                                     response_format="srt")
+            vtt = client.audio.transcriptions.create(model="tiny", file=("a.wav", data), language="en",
+                                                     response_format="vtt")
+            def stamp(seconds: float, sep: str) -> str:  # (under a minute here)
+                return f"00:00:{round(seconds * 1000) // 1000:02d}{sep}{round(seconds * 1000) % 1000:03d}"
+
+            cues = srt.strip().split("\n\n")
+            assert len(cues) == 3
+            assert cues[1].split("\n")[:2] == ["2", f"{stamp(ends[0], ',')} --> {stamp(ends[1], ',')}"]
+            assert [c.split("\n", 2)[2] for c in cues] == [o.outputs[0].text.strip() for o in outs]
+            assert vtt.startswith(f"WEBVTT\n\n00:00:00.000 --> {stamp(ends[0], '.')}\n")
+            assert f"{stamp(ends[1], '.')} --> {stamp(ends[2], '.')}\n{outs[2].outputs[0].text.strip()}" in vtt
             assert events[-1].usage.output_tokens == usage["output_tokens"]
             status, err = http_json(f"{url}/v1/audio/transcriptions", _form({}, _wav([np.tile(tone, 200)], RATE)),
                                     headers={"Content-Type": "multipart/form-data; boundary=specray-form"})
@@ -504,8 +537,10 @@ def test_server_transcribes_a_long_audio_in_clips(audio_family):
                                      ServerConfig("tiny", chat_template=AUDIO_TEMPLATE)).state.serving
         form, audio = proto.parse_audio_form(_form({}, _wav([np.tile(tone, 30)], RATE)),
                                              "multipart/form-data; boundary=specray-form", "transcribe")
-        halved = unbounded._encode_audio_prompts(form, audio, "transcribe")  # 3 s: 48 audio tokens, 1.5 s: 24
+        halved, spans = unbounded._encode_audio_prompts(form, audio, "transcribe")  # 3 s: 48 audio tokens, 1.5 s: 24
         assert len(halved) > 2 and all(2 * len(p.token_ids) <= 64 for p in halved)
+        assert len(spans) == len(halved) and spans[0][0] == 0.0 and spans[-1][1] == pytest.approx(3.0, abs=1e-3)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # consecutive clips
         assert sum(p.multimodal.items[0].data["frames"].size for p in halved) >= 3 * RATE - 1000 * len(halved)
     finally:
         aengine.shutdown()
