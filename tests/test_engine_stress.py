@@ -5,6 +5,7 @@ leaked, and every finished greedy request (and every seeded sampled one, without
 carry no q, verified by coupling) has the tokens the plain engine gives it alone."""
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,11 @@ CASES = {
     "eagle3": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
                "long_prefill_token_threshold": 12},
     "mtp3": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 3}},
+    # token trees from one MTP module (EAGLE-2's) and an EAGLE-3 head's static tree (vLLM's speculative_token_tree)
+    "mtp-tree": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 4, "use_dynamic_tree": True,
+                                        "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}},
+    "eagle3-static": {"speculative_config": {"method": "eagle3",
+                                             "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 2), (0, 0, 0)]"}},
     # Medusa's token trees (no head K/V), and a head combined with a lookup drafter (either proposal per step)
     "medusa": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 6}},
     "redrafter": {"speculative_config": {"method": "redrafter", "num_speculative_tokens": 6, "redrafter_num_beams": 3,
@@ -164,6 +170,11 @@ CASES = {
     # kept states' slots given out and forgotten under preemption and aborts
     "ngram-hybrid-prefix-cache": {"model_fixture": "tiny_qwen3_5_dir", "speculative_config": {**NGRAM},
                                   "enable_prefix_caching": True},
+    # the same hybrid with its own MTP layer (tests/draft_heads.py's, often right) growing EAGLE-2 trees: each node's
+    # recurrent state from its parent's, the kept path's pending inputs moved, through aborts and preemption
+    "mtp-tree-hybrid": {"model_fixture": "tiny_qwen3_5_dir",
+                        "speculative_config": {"method": "mtp", "num_speculative_tokens": 4, "use_dynamic_tree": True,
+                                               "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}},
     "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
                       "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
     # an EAGLE-3 head split over the two ranks, growing EAGLE-2 trees (sampled ones drawn from q): both shares of
@@ -209,6 +220,8 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
             head = str(draft_heads.write_medusa_heads(tmp_path / "head", tiny_llama_dir, accepting=True))
         elif spec["method"] == "redrafter":
             head = str(draft_heads.write_redrafter(tmp_path / "head", tiny_llama_dir, accepting=True))
+        elif fixture is not None:  # a hybrid's own MTP layer, in a copy of its folder
+            head = str(draft_heads.write_qwen_mtp(tmp_path / "head", Path(model)))
         else:
             head = str(draft_heads.write_accepting_head(tmp_path / "head", spec["method"], tiny_llama_dir,
                                                         num_modules=spec.get("num_nextn_predict_layers", 1)))
