@@ -131,20 +131,27 @@ def kept_nodes(parents: Sequence[int], kept_parents: Sequence[int]) -> list[int]
 # ---------------------------------------------------------------------------------------------- static shapes
 
 
+def read_tree(value, field: str):
+    """A tree option as given: a string read as JSON, or as a Python literal as vLLM takes it ("[(0,), (1,), (0, 0)]"),
+    anything else as it is; a ValueError naming ``field`` for a string that is neither."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            raise ValueError(f"{field}={value!r} is neither JSON ({err}) nor a Python literal; give a list of paths "
+                             "such as [[0], [1], [0, 0]] or [(0,), (1,), (0, 0)]") from None
+
+
 def parse_token_tree(value) -> list[tuple[int, ...]]:
     """A ``speculative_token_tree`` (a list of paths of candidate ranks, or a string of one: JSON, or a Python
     literal as vLLM takes it) -> every node's path, prefixes included, sorted by depth then rank (a topological
     order). Raises an actionable ValueError."""
     field = "speculative_config.speculative_token_tree"
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            try:  # vLLM's form: a Python list of tuples, "[(0,), (1,), (0, 0)]"
-                value = ast.literal_eval(value)
-            except (ValueError, SyntaxError, MemoryError, RecursionError):
-                raise ValueError(f"{field}={value!r} is neither JSON ({err}) nor a Python literal; give a list of "
-                                 "paths such as [[0], [1], [0, 0]] or [(0,), (1,), (0, 0)]") from None
+    value = read_tree(value, field)
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{field}={value!r} must be a non-empty list of paths of candidate ranks, e.g. "
                          "[[0], [1], [0, 0]] (Medusa's medusa_choices)")

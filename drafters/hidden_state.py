@@ -235,7 +235,7 @@ class DFlashOptions(HeadOptions):
     # a token tree instead of a chain: Medusa's paths of top-k indices, depth d + 1 filled from block row d's top-k
     # (the block's positions draft apart from each other, as Medusa's heads do); num_speculative_tokens: the most
     # nodes verified per step (a prefix of the tree, best first)
-    speculative_token_tree: list[list[int]] | None = None
+    speculative_token_tree: list[list[int]] | str | None = None  # (or a string of one: JSON, or a Python literal)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -243,7 +243,7 @@ class DFlashOptions(HeadOptions):
             raise ValueError(f"speculative_config.model={self.model!r}: method='dflash' needs the DFlash "
                              "checkpoint's folder (or hub id), e.g. z-lab/Qwen3-8B-DFlash-b16")
         if self.speculative_token_tree is not None:
-            check_choices("speculative_token_tree", self.speculative_token_tree)
+            self.speculative_token_tree = check_choices("speculative_token_tree", self.speculative_token_tree)
 
     def drafts_blocks(self) -> bool:
         return self.speculative_token_tree is None
@@ -303,7 +303,7 @@ class MedusaOptions(HeadOptions):
     # the tree: each path [i0, i1, ...] is the node holding head 0's i0-th best token, then head 1's i1-th best
     # under it, ... (Medusa's and TensorRT-LLM's ``medusa_choices``); verified best-first, in the given order
     # with every path after its prefix (sorted by length otherwise); the policy verifies a prefix of it
-    medusa_choices: list[list[int]] | None = None
+    medusa_choices: list[list[int]] | str | None = None  # (or a string of one: JSON, or a Python literal)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -311,7 +311,7 @@ class MedusaOptions(HeadOptions):
             raise ValueError(f"speculative_config.model={self.model!r}: method='medusa' needs the heads' checkpoint "
                              "folder (or hub id)")
         if self.medusa_choices is not None:
-            check_choices("medusa_choices", self.medusa_choices)
+            self.medusa_choices = check_choices("medusa_choices", self.medusa_choices)
 
     def drafts_trees(self) -> bool:
         return True
@@ -327,9 +327,13 @@ class MedusaOptions(HeadOptions):
         return {"choices": self.tree()}
 
 
-def check_choices(name: str, choices: Any) -> None:
-    """A ValueError naming ``speculative_config.<name>`` unless ``choices`` is a tree of top-k paths (Medusa's
-    ``medusa_choices``): a non-empty list of distinct non-empty lists of indices >= 0, each path's prefix a path."""
+def check_choices(name: str, choices: Any) -> list[list[int]]:
+    """``choices`` (or a string of them: JSON, or a Python literal as vLLM takes trees) as a list of paths, with a
+    ValueError naming ``speculative_config.<name>`` unless it is a tree of top-k paths (Medusa's ``medusa_choices``):
+    a non-empty list of distinct non-empty lists of indices >= 0, each path's prefix a path."""
+    from specray.tree import read_tree  # torch-free
+
+    choices = read_tree(choices, f"speculative_config.{name}")
     if not isinstance(choices, (list, tuple)) or not choices or not all(
             isinstance(c, (list, tuple)) and c and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                         for i in c) for c in choices):
@@ -342,6 +346,7 @@ def check_choices(name: str, choices: Any) -> None:
     if orphans:
         raise ValueError(f"speculative_config.{name} has paths without their parent path: {orphans}; add each path's "
                          "prefix as well")
+    return [list(c) for c in choices]
 
 
 def choices_in_order(choices) -> list[list[int]]:

@@ -1165,7 +1165,8 @@ def test_distinct_mtp_modules_settings_are_checked(target_dir, heads, spec, matc
 def test_static_tree_options_read_vllm_and_tensorrt_llm_forms():
     """vLLM's speculative_token_tree (its Python-literal string) and TensorRT-LLM's eagle_choices (paths only, their
     prefixes implied) name the same static tree; the draft count defaults to its nodes, and the slots the scheduler
-    reserves past the root are its nodes above the deepest level (what the last level's pass reads)."""
+    reserves past the root are its nodes above the deepest level (what the last level's pass reads). Medusa's and
+    DFlash's trees take the string forms too."""
     from specray.config import SpeculativeConfig
     from specray.drafters import registry
 
@@ -1178,6 +1179,14 @@ def test_static_tree_options_read_vllm_and_tensorrt_llm_forms():
     assert [spec.num_speculative_tokens for spec in specs] == [5, 5]
     assert registry.worker_drafts_trees(specs[0]) and registry.worker_lookahead_slots(specs[0]) == 4
     assert registry.worker_tree_shape(specs[0]) is None  # a drawn static tree is priced as it is, as Medusa's
+    # Medusa's and DFlash's trees read the same string forms (their paths kept in the order given)
+    from specray.drafters.hidden_state import DFlashOptions, MedusaOptions
+
+    assert MedusaOptions(model="m", medusa_choices="[(0,), (0, 0), (1,)]").tree() == [[0], [0, 0], [1]]
+    assert DFlashOptions(model="d", speculative_token_tree="[[0], [1], [0, 0]]").speculative_token_tree == [
+        [0], [1], [0, 0]]
+    with pytest.raises(ValueError, match=r"medusa_choices='\[\(0,' is neither JSON .* nor a Python literal"):
+        MedusaOptions(model="m", medusa_choices="[(0,")
 
 def test_distinct_mtp_modules_write_no_kv_past_the_committed_tokens(target_dir, heads):
     """Module k drafts at the last committed position (it reads the draft before it as its token), so no slots
