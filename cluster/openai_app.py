@@ -792,13 +792,12 @@ class _AudioTextFormat(_Format):
         return choice.output.text if self.transcript is None else self.transcript(choice.output.text)
 
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
-        text = ""
-        for choice in choices:
-            text += _clip_text(text, self._transcript(choice))
+        texts, text = [self._transcript(choice) for choice in choices], ""
+        for clip in texts:
+            text += _clip_text(text, clip)
         if self.segments is None:
             return {"text": text, "usage": _audio_usage(usage)}
-        return {**self.segments.verbose(text, [self._transcript(c) for c in choices], [c.output for c in choices]),
-                "usage": _audio_usage(usage)}
+        return {**self.segments.verbose(text, texts, [c.output for c in choices]), "usage": _audio_usage(usage)}
 
     def sse(self, event: dict) -> str:
         return f"event: {event['type']}\n" + proto.sse(event)

@@ -49,6 +49,20 @@ def http_json(url: str, body: dict | bytes | None = None, timeout: float = 60.0,
         return err.code, json.loads(err.read())
 
 
+
+def chat_equals(base: str, messages: list[dict], want) -> tuple[str, dict]:
+    """POST a greedy chat completion of ``messages`` (8 tokens, ``ignore_eos``, token ids returned) to the server at
+    ``base`` and check that its tokens and prompt's are ``want``'s (an ``LLM`` output of the same); returns the
+    endpoint and the request's body, for more requests built from it."""
+    chat = f"{base}/v1/chat/completions"
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+            "return_token_ids": True}
+    status, got = http_json(chat, body)
+    assert status == 200, got
+    assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    assert got["prompt_token_ids"] == want.prompt_token_ids
+    return chat, body
+
 def http_json_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as resp:
         assert resp.status == 200

@@ -307,7 +307,7 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
     """An OpenAI chat request with an input_audio part (base64 WAV) and one with an audio_url part answer what
     LLM.chat answers for the same messages; an undecodable audio is a 400 naming messages."""
     pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
-    from specray_test_openai_helpers import http_json, serving  # tests/openai_helpers.py
+    from specray_test_openai_helpers import chat_equals, http_json, serving  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -326,13 +326,7 @@ def test_server_chat_with_input_audio_equals_llm_chat(audio_family):
                            ServerConfig("tiny", chat_template=AUDIO_TEMPLATE))
     try:
         with serving(app) as base:
-            chat = f"{base}/v1/chat/completions"
-            body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
-                    "return_token_ids": True}
-            status, got = http_json(chat, body)
-            assert status == 200, got
-            assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
-            assert got["prompt_token_ids"] == want.prompt_token_ids
+            chat, body = chat_equals(base, messages, want)
             url = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{data}"}}
             as_url = [{**messages[0], "content": [messages[0]["content"][0], url, messages[0]["content"][2]]}]
             status, got = http_json(chat, {**body, "messages": as_url})

@@ -395,7 +395,7 @@ def test_server_chat_with_image_url_equals_llm_chat(image_chat_dir, vision):
     """An OpenAI chat request with an image_url part (a data: URL) answers what LLM.chat answers for the same
     messages (which the engine test above ties to transformers); a bad image is a 400 naming messages."""
     pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
-    from specray_test_openai_helpers import http_json, serving  # tests/openai_helpers.py
+    from specray_test_openai_helpers import chat_equals, http_json, serving  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -421,13 +421,7 @@ def test_server_chat_with_image_url_equals_llm_chat(image_chat_dir, vision):
                            ServerConfig("tiny", chat_template=IMAGE_TEMPLATE))
     try:
         with serving(app) as base:
-            chat = f"{base}/v1/chat/completions"
-            body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
-                    "return_token_ids": True}
-            status, got = http_json(chat, body)
-            assert status == 200, got
-            assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
-            assert got["prompt_token_ids"] == want.prompt_token_ids
+            chat, body = chat_equals(base, messages, want)
             responses = {"model": "tiny", "temperature": 0, "max_output_tokens": 8, "store": False,
                          "input": [{"role": "user", "content": [{"type": "input_text", "text": "The quick"},
                                                                 {"type": "input_image", "image_url": url},
@@ -708,7 +702,7 @@ def test_server_chat_with_video_url_equals_llm_chat(tmp_path, vision):
     answers what LLM.chat answers for the same messages, each taking the frames media_io_kwargs names (3 of the
     video's 6); an undecodable video is a 400 naming messages."""
     pytest.importorskip("uvicorn")  # (the server's; not in a GPU image)
-    from specray_test_openai_helpers import http_json, serving  # tests/openai_helpers.py
+    from specray_test_openai_helpers import chat_equals, http_json, serving  # tests/openai_helpers.py
 
     from specray.cluster.openai_app import AsyncEngineClient, ServerConfig, build_openai_app
     from specray.engine.async_engine import AsyncLLMEngine
@@ -736,13 +730,7 @@ def test_server_chat_with_video_url_equals_llm_chat(tmp_path, vision):
                            ServerConfig("tiny", chat_template=MEDIA_TEMPLATE))
     try:
         with serving(app) as base:
-            chat = f"{base}/v1/chat/completions"
-            body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True,
-                    "return_token_ids": True}
-            status, got = http_json(chat, body)
-            assert status == 200, got
-            assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
-            assert got["prompt_token_ids"] == want.prompt_token_ids
+            chat, body = chat_equals(base, messages, want)
             part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
             status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": [part]}]})
             assert status == 400 and err["error"]["param"] == "messages", err
