@@ -126,11 +126,13 @@ CASES = {
     "eagle3": {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 4},
                "long_prefill_token_threshold": 12},
     "mtp3": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3, "num_nextn_predict_layers": 3}},
-    # token trees from one MTP module (EAGLE-2's) and an EAGLE-3 head's static tree (vLLM's speculative_token_tree)
+    # token trees from one MTP module (EAGLE-2's) and an EAGLE-3 head's static tree (vLLM's speculative_token_tree),
+    # the latter's steps and the head's passes (a tree's levels among them) from graphs
     "mtp-tree": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 4, "use_dynamic_tree": True,
                                         "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}},
-    "eagle3-static": {"speculative_config": {"method": "eagle3",
-                                             "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 2), (0, 0, 0)]"}},
+    "eagle3-static-graphs": {"speculative_config": {"method": "eagle3", "speculative_token_tree":
+                                                    "[(0,), (1,), (0, 0), (0, 2), (0, 0, 0)]"},
+                             "enforce_eager": False},
     # Medusa's token trees (no head K/V), and a head combined with a lookup drafter (either proposal per step)
     "medusa": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 6}},
     "redrafter": {"speculative_config": {"method": "redrafter", "num_speculative_tokens": 6, "redrafter_num_beams": 3,
@@ -245,7 +247,10 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
         if spec is not None and spec["method"] in HEADS:  # the heads are often right: the accepted path ran
             assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
         if kwargs.get("enforce_eager") is False:  # steps really ran from graphs, the verify steps' among them
-            assert any(q > 1 for _, q, _ in engine.executor.worker.runner.graphs.graphs)
+            runner = engine.executor.worker.runner
+            assert any(q > 1 for _, q, _ in runner.graphs.graphs)
+            head = getattr(runner.drafter, "graphs", None)  # a head's passes too
+            assert head is None or head.graphs
     finally:
         engine.shutdown()
 

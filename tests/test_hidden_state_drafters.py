@@ -183,11 +183,17 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
     """``enforce_eager=False``: the target's decode and verify steps run from graphs (on CPU, their padded static
     inputs, eagerly), the aux layers' residual streams among the graph's outputs; batch 6 padded to 8, block size 4
     (padding past the requests' blocks). Chains and trees are verified through graphs (a tree's positions and
-    ancestor masks loaded as the graph's data). The head drafts what it drafts after the eager forward (the same drafts, the same acceptance): a graph's residual streams are
-    the rows the head should read, not padding's or a stale step's."""
-    runs = {}
+    ancestor masks loaded as the graph's data). The head drafts what it drafts after the eager forward (the same
+    drafts, the same acceptance): a graph's residual streams are the rows the head should read, not padding's or a
+    stale step's. A head of one module replays its passes too, a tree's levels among them (their nodes padded to
+    the graph's rows, the masks and positions its data)."""
+    runs, tree_passes = {}, []
     for eager in (True, False):
         llm = make_llm(target_dir, heads, "accepting", method, enforce_eager=eager, block_size=4, max_num_seqs=8)
+        head_graphs = getattr(llm.engine.executor.worker.runner.drafter, "graphs", None)
+        if head_graphs is not None:  # which of the head's replays were a tree's levels
+            run = head_graphs.run
+            head_graphs.run = lambda *a, **kw: tree_passes.append(kw.get("ancestors") is not None) or run(*a, **kw)
         outs = llm.generate(PROMPTS[:6], greedy(16), use_tqdm=False)
         assert token_ids(outs) == [t[:16] for t in plain_outputs[:6]]
         stats = llm.spec_stats
@@ -198,10 +204,13 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
     assert graphs.graphs, "no step ran from a graph"
     assert any(q > 1 for _, q, _ in graphs.graphs), list(graphs.graphs)  # verify steps too, trees' among them
     head_graphs = getattr(llm.engine.executor.worker.runner.drafter, "graphs", None)
-    if method in CHAIN_METHODS:  # the head's passes too (distinct MTP modules and trees have none)
+    if method in CHAIN_METHODS:  # the head's passes too (distinct MTP modules, Medusa and ReDrafter have none)
         assert head_graphs is not None and head_graphs.graphs, "no draft step ran from a graph"
         queries = {q for _, q, _ in head_graphs.graphs}
         assert 1 in queries and max(queries) > 1, list(head_graphs.graphs)  # chain steps, and first passes
+        assert not any(tree_passes)
+    elif method in ("eagle3-tree", "mtp-tree", "eagle3-static"):  # first passes and a tree's levels
+        assert head_graphs is not None and any(tree_passes) and not all(tree_passes), tree_passes
     else:
         assert head_graphs is None or not head_graphs.graphs
 
@@ -237,6 +246,36 @@ def test_head_graph_padding_writes_only_scratch_blocks_and_loads_without_a_host_
     with torch.inference_mode(), no_host_sync():
         drafter.graphs._load(graph, padded, ids, (feedback,))
         drafter.head(graph.input_ids, graph.inputs[0], graph.meta)
+
+
+def test_a_tree_level_from_a_graph_equals_the_eager_pass_without_a_host_sync(target_dir, heads, no_host_sync):
+    """One pass of the head over a tree's nodes so far (:meth:`HiddenStateDrafter._over_nodes`: 3 requests padded to
+    4, 3 nodes each padded to 4 rows, two at depth 1 and a child of the first) replays a graph with no host sync
+    (the node ids scattered and the ancestor masks padded on the device) and gives the eager pass's feedback and
+    normed rows."""
+    llm = make_llm(target_dir, heads, "accepting", "eagle3-tree", enforce_eager=False, block_size=4,
+                   num_kv_blocks=64)
+    llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+    drafter = llm.engine.executor.worker.runner.drafter
+    graphs, device, h = drafter.graphs, drafter.graphs.device, drafter.head.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, drafter.head.draft_vocab_size, (3, 3), generator=gen).to(device)
+    features = torch.randn(3, 3, h, generator=gen).to(device)
+    ancestors = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(3, 3, 3).to(device)
+    args = (tok, features, ancestors, [1, 1, 2], [5, 9, 13], [list(range(5 * i, 5 * i + 5)) for i in range(3)])
+    replays = []
+    run = graphs.run
+    graphs.run = lambda shape, *a, **kw: replays.append(shape) or run(shape, *a, **kw)
+    with torch.inference_mode():
+        drafter.graphs = None
+        want = drafter._over_nodes(*args)
+        drafter.graphs = graphs
+        drafter._over_nodes(*args)  # captured here unless an earlier step's pass was (a capture syncs)
+        with no_host_sync():
+            got = drafter._over_nodes(*args)
+    assert replays == [(4, 4, 8)] * 2 and (4, 4, 8) in graphs.graphs, replays  # roots + 4 rows: 5 blocks -> 8
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle3-tree"])
@@ -574,16 +613,27 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
     assert free_blocks(llm) == 28
 
 
-@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree", "eagle3-static", "mtp-static"])
-def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method):
+@pytest.mark.parametrize("method,eager", [("eagle3-tree", True), ("mtp-tree", False), ("eagle3-static", False),
+                                          ("mtp-static", True)])
+def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method, eager):
     """After every step, each greedy request's EAGLE-2 tree (an EAGLE-3 head's, an MTP module's: one pass per level
     over every node so far, with ancestor masks) is EAGLE-2 recomputed with the head run densely as a chain along
-    each node's path from the request's committed tokens (:meth:`DenseHead.check_tree`). Small blocks, a pool that
-    preempts and a token budget that chunks prefills."""
+    each node's path from the request's committed tokens (:meth:`DenseHead.check_tree`); static trees likewise
+    (:meth:`DenseHead.check_static_tree`). Small blocks, a pool that preempts and a token budget that chunks
+    prefills; each kind of tree once with its levels from graphs (``eager`` False: on CPU, the padded static inputs
+    run eagerly), its nodes padded to the graph's rows."""
     kwargs = engine_kwargs(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=28,
-                           max_num_batched_tokens=16, max_num_seqs=4)
+                           max_num_batched_tokens=16, max_num_seqs=4, enforce_eager=eager)
     llm = LLM(kwargs.pop("model"), **kwargs)
     engine = llm.engine
+    drafter = engine.executor.worker.runner.drafter
+    assert (drafter.graphs is None) == eager
+    levels, replayed = [], []  # per pass over a tree's levels; per replay of the head's graphs, whether it was one
+    over_nodes = drafter._over_nodes
+    drafter._over_nodes = lambda *a, **kw: levels.append(1) or over_nodes(*a, **kw)
+    if not eager:
+        run = drafter.graphs.run
+        drafter.graphs.run = lambda *a, **kw: replayed.append(kw.get("ancestors") is not None) or run(*a, **kw)
     engine.executor = rec = Recorder(engine.executor)
     head, _, kind = method.partition("-")
     model = str(heads["accepting", "mtp"]) if head == "mtp" else str(target_dir)
@@ -610,6 +660,7 @@ def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method):
                 branched += len(set(parents)) < len(parents)
     assert engine.scheduler.num_preemptions > 0
     assert checked >= 10 and branched > 0, (checked, branched)
+    assert levels and sum(replayed) == (0 if eager else len(levels)), (levels, replayed)  # graphs: every level
     assert free_blocks(llm) == 28
 
 def trees_over_dense_hidden(target_dir, heads, kind: str, method: str, num_nodes: int, max_tokens: int):

@@ -311,11 +311,11 @@ class HiddenStateDrafter(DrawsFromQ):
         self.head = head
         self.tree = tree
         self.block_size = block_size
-        # a chain's passes (a decode's first pass, the draft steps) replayed from graphs when the target's steps are
-        # (a head whose layer can be captured), their padding in scratch blocks of the head's own cache
+        # the head's passes (a decode's first pass, a chain's draft steps, a tree's levels) replayed from graphs when
+        # the target's steps are (a head whose layer can be captured), their padding in scratch blocks of its own cache
         self.graphs: HeadStepGraphs | None = None
         scratch = 0
-        if step_graphs and tree is None and getattr(head, "num_modules", 1) == 1:  # chains of draft steps
+        if step_graphs and getattr(head, "num_modules", 1) == 1:  # one module (distinct ones run eagerly)
             why = why_eager(head, self.tp.size, asked=True)  # the target's replay: over several ranks, asked for
             if why is None:
                 scratch = StepGraphs.scratch_blocks_needed(block_size)
@@ -833,10 +833,20 @@ class HiddenStateDrafter(DrawsFromQ):
         head's feedback and normed rows [B, n, H]."""
         b, n, h = node_features.shape
         positions = [[r + dd - 1 for dd in node_depth] for r in roots]
-        meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, tok.device,
-                                        positions=[p for own in positions for p in own], ancestors=list(ancestors))
-        meta.with_rope_positions(self._rope(inputs, positions, tok.device))
-        fb, nm = self.head(self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h), meta)
+        flat, ids, features = [p for own in positions for p in own], self.head.to_target_ids(tok).reshape(-1), \
+            node_features.reshape(b * n, h)
+        rope = self._rope(inputs, positions, tok.device)
+        # from a graph (the positions and ancestor masks its data) unless the head's trees take the host's help
+        shape = None if self.graphs is None or rope is not None or not getattr(self.head, "graph_trees", True) \
+            else self.graphs.shape([n] * b, roots, decode=True)
+        if shape is None:
+            meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, tok.device,
+                                            positions=flat, ancestors=list(ancestors))
+            meta.with_rope_positions(rope)
+            fb, nm = self.head(ids, features, meta)
+        else:
+            fb, (nm,) = self.graphs.run(shape, ids, [n] * b, list(roots), tables, (features,), positions=flat,
+                                        ancestors=list(ancestors))
         return fb.view(b, n, h), nm.view(b, n, h)
 
     def _first_pass_rows(self, plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]

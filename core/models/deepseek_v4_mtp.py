@@ -55,6 +55,7 @@ class DeepseekV4MTP(ReadsTarget):
 
     layout = LAYOUTS["mtp"]
     lm_head = None  # the target's
+    graph_trees = False  # as the target's (a tree's windows found on the host): a tree's passes run eagerly
 
     def __init__(self, config, target, tp: TPGroup | None = None, expert_parallel: bool = False,
                  kind: str = SLIDING, hash_routed: bool = False):

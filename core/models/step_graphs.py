@@ -146,8 +146,8 @@ class StepGraphs:
             recurrent: RecurrentGraphBatch | None = None, rope_positions: list[list[int]] | None = None
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step's hidden states [T, H], T = sum(query_lens), and the aux layers' residual streams (a subclass's
-        outputs: see :meth:`_forward`). ``token_ids``: a list, or a tensor on the device when every sequence brings
-        ``shape.query_len`` tokens. ``inputs``: rows beside the ids ([T, ...] each; a head's features), laid out
+        outputs: see :meth:`_forward`). ``token_ids``: a list, or a tensor on the device (scattered to its padded rows
+        there). ``inputs``: rows beside the ids ([T, ...] each; a head's features), laid out
         with the ids' padding (zero rows). ``positions`` and ``ancestors``: a step of token trees (as
         :func:`~specray.models.attention.build_attention_metadata` takes them); a graph reads them as data (the
         positions and the masks are static inputs), so trees and chains share graphs. ``recurrent``: a hybrid
@@ -157,13 +157,12 @@ class StepGraphs:
         q, pads = shape.query_len, shape.batch - len(query_lens)
         # every sequence brings q rows, its own tokens first (see the module docstring for where padding goes)
         real = [b * q + j for b, n in enumerate(query_lens) for j in range(n)]
-        if isinstance(token_ids, torch.Tensor):
-            assert all(n == q for n in query_lens), (query_lens, q)  # no padding rows inside a sequence
-            ids = torch.cat((token_ids, token_ids.new_zeros(pads * q)))
+        index = torch.tensor(real, dtype=torch.long, device=self.device) if len(real) < shape.batch * q else None
+        if isinstance(token_ids, torch.Tensor):  # each real row to its padded place (a device-side scatter: no sync)
+            ids = token_ids if index is None else token_ids.new_zeros(shape.batch * q).index_copy_(0, index, token_ids)
         else:
             ids = torch.tensor(_padded_rows(token_ids, query_lens, q, pads), dtype=torch.long, device=self.device)
-        if inputs:  # each real row to its padded place (a device-side scatter: no host sync)
-            index = torch.tensor(real, dtype=torch.long, device=self.device)
+        if inputs and index is not None:
             inputs = tuple(x.new_zeros(shape.batch * q, *x.shape[1:]).index_copy_(0, index, x) for x in inputs)
         if ancestors is not None:
             positions, ancestors = _padded_tree(query_lens, start_positions, positions, ancestors, q, pads)
@@ -189,9 +188,8 @@ class StepGraphs:
                 hidden, aux = self._step(graph.input_ids, graph.meta, graph.inputs)
                 for out, value in zip([graph.hidden, *graph.aux], [hidden, *aux]):
                     out.copy_(value)
-        if len(real) == shape.batch * q:
+        if index is None:
             return graph.hidden, list(graph.aux)
-        index = torch.tensor(real, dtype=torch.long, device=self.device)
         return graph.hidden.index_select(0, index), [a.index_select(0, index) for a in graph.aux]
 
     def _step(self, input_ids: torch.Tensor, meta: AttentionMetadata, inputs: list[torch.Tensor]
@@ -301,7 +299,7 @@ def _padded_tree(query_lens: list[int], starts: list[int], positions: list[int],
         if anc is None or n == q:
             out_anc.append(anc)
             continue
-        mask = torch.zeros(q, q, dtype=torch.bool)
+        mask = anc.new_zeros(q, q)  # where the mask lies (a draft head's trees: on the device)
         mask[:n, :n] = anc
         mask[n:, :n] = anc[n - 1]
         mask[range(n, q), range(n, q)] = True
@@ -314,9 +312,10 @@ class HeadStepGraphs(StepGraphs):
     brings its tokens (a chain step's one draft; a decode's first pass, the tokens the target just committed) and a
     feature row for each (the head's feedback, or the target's fused features), the head's KV cache has scratch
     blocks of its own for padding, and the graph's outputs are the feedback for the next step and the normed rows
-    the drafts are picked from (``run`` returns them as (feedback, [normed])). Passes over more than
-    ``SHORT_QUERY_MAX`` tokens of one request (a prompt's) and the head's own trees (EAGLE-2's levels) run
-    eagerly."""
+    the drafts are picked from (``run`` returns them as (feedback, [normed])). A tree's levels (EAGLE-2's, a static
+    tree's: one pass over every node so far) replay the same graphs, their positions and ancestor masks loaded as
+    data, unless the head's trees take the host's help (``graph_trees`` False: DeepSeek-V4's MTP block). Passes over
+    more than ``SHORT_QUERY_MAX`` tokens of one request (a prompt's, a tree's of more nodes) run eagerly."""
 
     def __init__(self, head: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device,
                  max_position: int):
