@@ -282,27 +282,45 @@ def check_greedy_equals_transformers(folder: Path, outputs: list[list[int]]) -> 
 
 
 def check_ngram_replays_keep_greedy(folder: Path, plain: list[list[int]], tree: bool, monkeypatch) -> None:
-    """n-gram chains from graph steps (on CPU the padded static inputs run eagerly), or trees of three branches
-    verified eagerly (``tree``), give ``plain``'s tokens, some drafts accepted (and replayed in the next chunk) and
-    some not."""
+    """n-gram chains, or trees of three branches (``tree``: the recurrence's tree form, each row's state from its
+    parent's), from graph steps (on CPU the padded static inputs run eagerly), give ``plain``'s tokens, some drafts
+    accepted (and replayed in the next chunk) and some not."""
     from specray import LLM
     from specray.models.step_graphs import StepGraphs
-    from specray.workers.model_runner import RecurrentSlots
 
-    replays, real = [], RecurrentSlots.batch
-    monkeypatch.setattr(RecurrentSlots, "batch", lambda self, chunks: replays.append(real(self, chunks)) or replays[-1])
+    replays = recorded_batches(monkeypatch)
     shapes, run = [], StepGraphs.run
     monkeypatch.setattr(StepGraphs, "run", lambda self, shape, *a, **kw: shapes.append(shape) or run(
         self, shape, *a, **kw))
     spec = {**NGRAM, "num_speculative_tokens": 6, "num_branches": 3} if tree else NGRAM
-    llm = LLM(model=str(folder), max_model_len=128, speculative_config=spec, block_size=4, enforce_eager=tree)
+    llm = LLM(model=str(folder), max_model_len=128, speculative_config=spec, block_size=4, enforce_eager=False)
     assert generate(llm, greedy()) == plain
     assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
     assert any(n > 0 for batch in replays for n in batch.replay), "no accepted draft was replayed"
     if refused_on_this_gpu(llm):  # experts in the suite's fp32 on a GPU: eager steps, the reason logged
         assert not shapes
     else:
-        assert bool(shapes) != tree, "chains replay graph steps here, trees run eagerly"
+        assert shapes, "no step replayed a graph"
+        assert tree_graphs(llm) == branched(replays) and (branched(replays) or not tree), "a tree step eagerly"
+
+
+def recorded_batches(monkeypatch) -> list:
+    """Every step's RecurrentBatch from here on."""
+    from specray.workers.model_runner import RecurrentSlots
+
+    seen, real = [], RecurrentSlots.batch
+    monkeypatch.setattr(RecurrentSlots, "batch", lambda self, chunks: seen.append(real(self, chunks)) or seen[-1])
+    return seen
+
+
+def branched(batches: list) -> bool:
+    """Whether a step's drafts formed a token tree (a sequence's drafts with parents)."""
+    return any(p is not None for batch in batches if batch is not None for p in batch.parents or [])
+
+
+def tree_graphs(llm) -> bool:
+    """Whether the engine's target replayed a graph of the recurrence's tree form (a step with token trees)."""
+    return any("tree" in key for key in llm.engine.executor.worker.runner.graphs.graphs)
 
 
 def check_long_prefill(model, hf, length: int = 150) -> None:
@@ -384,7 +402,8 @@ def check_graph_form_equals_eager(layer, q_rows: int, fill, inputs, pend: int = 
     form, ``layer`` bound to a state of ``scratch + 1`` slots that ``fill(state)`` makes random (its histories and
     matrices): a sequence replaying drafts, a fresh one over a slot holding an old state, one with drafts, and a
     padding sequence; the same outputs for every real row, the same committed state and the same pending drafts'
-    inputs and gates in each target slot. ``inputs(rows)``: the recurrence's (mixed, g, beta) for that many rows."""
+    inputs and gates in each target slot; with the drafts as chains, then as token trees (the tree form of both).
+    ``inputs(rows)``: the recurrence's (mixed, g, beta) for that many rows."""
     from types import SimpleNamespace
 
     from specray.models.kv_cache import RecurrentState
@@ -397,23 +416,30 @@ def check_graph_form_equals_eager(layer, q_rows: int, fill, inputs, pend: int = 
     seqs = [(0, False, min(pend, q_rows - 1), 2, 1), (2, True, 0, q_rows, min(pend, q_rows - 1)),
             (6, False, 2, q_rows - 1, 0)]  # (slot read, fresh, replays, real rows, drafts)
     slots, fresh, replay, lens, drafts = (list(col) for col in zip(*seqs))
-    batch = RecurrentBatch(slots, fresh, replay, drafts, [s + 1 for s in slots])
     mixed, g, beta = inputs(4 * q_rows)
     real = [i * q_rows + j for i, n in enumerate(lens) for j in range(n)]
     held = (state.inputs, state.gates, state.matrix)
-    before = [t.clone() for t in held]
-    with torch.no_grad():
-        want = layer.recurrence(mixed[real], g[real], beta[real], SimpleNamespace(recurrent=batch, query_lens=lens))
-        eager = [t.clone() for t in held]
-        for t, old in zip(held, before):
-            t.copy_(old)
-        got = layer.recurrence(mixed, g, beta, SimpleNamespace(recurrent=batch.padded(4, lens, scratch, "cpu")))
-    torch.testing.assert_close(got[real], want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(state.matrix[batch.targets], eager[2][batch.targets], atol=1e-5, rtol=1e-5)
-    for target, k in zip(batch.targets, drafts):  # the pending drafts' inputs and gates (rows past them: unread)
-        torch.testing.assert_close(state.inputs[target, :k], eager[0][target, :k])
-        if not layer.gates_from_conv:  # (else the held gates are never read: each row's come from its conv's output)
-            torch.testing.assert_close(state.gates[target, :k], eager[1][target, :k])
+    start = [t.clone() for t in held]
+    for trees in (False, True):  # chains, then the drafts as token trees (two children per draft)
+        parents = [[i // 2 - 1 for i in range(k)] if trees and k else None for k in drafts]
+        batch = RecurrentBatch(slots, fresh, replay, drafts, [s + 1 for s in slots], parents=parents)
+        with torch.no_grad():
+            for t, old in zip(held, start):
+                t.copy_(old)
+            want = layer.recurrence(mixed[real], g[real], beta[real],
+                                    SimpleNamespace(recurrent=batch, query_lens=lens))
+            eager = [t.clone() for t in held]
+            for t, old in zip(held, start):
+                t.copy_(old)
+            table = batch.padded(4, lens, scratch, "cpu", q_rows)
+            assert table.trees == trees
+            got = layer.recurrence(mixed, g, beta, SimpleNamespace(recurrent=table))
+        torch.testing.assert_close(got[real], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state.matrix[batch.targets], eager[2][batch.targets], atol=1e-5, rtol=1e-5)
+        for target, k in zip(batch.targets, drafts):  # the pending drafts' inputs and gates (rows past them: unread)
+            torch.testing.assert_close(state.inputs[target, :k], eager[0][target, :k])
+            if not layer.gates_from_conv:  # (else the held gates are never read: each row's come from its conv's)
+                torch.testing.assert_close(state.gates[target, :k], eager[1][target, :k])
 
 
 # prompts that repeat themselves (n-gram drafts find matches, some accepted, some not) and one that does not

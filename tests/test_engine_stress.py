@@ -13,6 +13,7 @@ from specray import LLM, SamplingParams
 from specray.config import EngineArgs
 from specray.engine.builder import build_engine
 from specray.engine.llm_engine import LLMEngine
+from specray.models.step_graphs import StepShape
 
 
 import specray_test_draft_heads as draft_heads  # noqa: E402  tests/draft_heads.py (tests/conftest.py registers it)
@@ -173,10 +174,13 @@ CASES = {
     "ngram-hybrid-prefix-cache": {"model_fixture": "tiny_qwen3_5_dir", "speculative_config": {**NGRAM},
                                   "enable_prefix_caching": True},
     # the same hybrid with its own MTP layer (tests/draft_heads.py's, often right) growing EAGLE-2 trees: each node's
-    # recurrent state from its parent's, the kept path's pending inputs moved, through aborts and preemption
-    "mtp-tree-hybrid": {"model_fixture": "tiny_qwen3_5_dir",
-                        "speculative_config": {"method": "mtp", "num_speculative_tokens": 4, "use_dynamic_tree": True,
-                                               "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}},
+    # recurrent state from its parent's, the kept path's pending inputs moved, through aborts and preemption; its
+    # verify steps from graphs of the recurrence's tree form, the head's tree levels from graphs of its own
+    "mtp-tree-hybrid-graphs": {"model_fixture": "tiny_qwen3_5_dir",
+                               "speculative_config": {"method": "mtp", "num_speculative_tokens": 4,
+                                                      "use_dynamic_tree": True, "dynamic_tree_max_topK": 2,
+                                                      "dynamic_tree_depth": 3},
+                               "enforce_eager": False},
     "ngram-tree-tp2-ray": {"speculative_config": {**NGRAM, "num_branches": 3}, "tensor_parallel_size": 2, "distributed_executor_backend": "ray",
                       "ray_placement": {"worker_num_cpus": 0.5, "drafter_num_cpus": 0.25, "engine_num_cpus": 0.1}},
     # an EAGLE-3 head split over the two ranks, growing EAGLE-2 trees (sampled ones drawn from q): both shares of
@@ -248,7 +252,8 @@ def test_random_workload_keeps_outputs_and_blocks(request, tiny_llama_dir, tiny_
             assert engine.spec_stats.accepted_tokens > 0, engine.spec_stats
         if kwargs.get("enforce_eager") is False:  # steps really ran from graphs, the verify steps' among them
             runner = engine.executor.worker.runner
-            assert any(q > 1 for _, q, _ in runner.graphs.graphs)
+            shapes = [key if isinstance(key, StepShape) else key[0] for key in runner.graphs.graphs]  # (and tags)
+            assert any(shape.query_len > 1 for shape in shapes)
             head = getattr(runner.drafter, "graphs", None)  # a head's passes too
             assert head is None or head.graphs
     finally:

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from specray.models.step_graphs import StepGraphs
-from specray_test_hybrid_models import NGRAM, PROMPT_IDS, greedy, save  # tests/hybrid_models.py
+from specray_test_hybrid_models import (  # tests/hybrid_models.py
+    NGRAM, PROMPT_IDS, branched, greedy, recorded_batches, save, tree_graphs)
 
 PROMPTS = PROMPT_IDS[:3]  # three requests: every graph step's batch padded to 4
+BINARY = [-1, -1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]  # a token tree's parents: two children per draft
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +75,15 @@ def test_states_kept_at_device_positions_equal_the_host_ones():
         assert got[2].equal(s0[2]) and not want[2].equal(s0[2])
 
 
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
 @pytest.mark.parametrize("q_rows", [4, 16], ids=["scan", "chunked"])
-def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows):
+def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows, trees):
     """The layer's graph form against its eager form on random states and inputs: sequences fresh (over a slot
     holding another request's old state), replaying 0..min(P, Q - 1) drafts (the runner widens a step's rows past
     its replays), bringing 1..Q rows with drafts among them, padded to B = 4 with a padding sequence: the same
     outputs for every real row, the same committed matrix, conv history, pending inputs and gates in each target
-    slot, every other slot but the scratch one untouched."""
+    slot, every other slot but the scratch one untouched. ``trees``: the drafts form token trees (each row's conv
+    window and state from its own path: the tree form of the graph's recurrence), one sequence a chain beside them."""
     import types
 
     from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
@@ -101,7 +105,8 @@ def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows):
     seqs = [(0, False, min(pend, q_rows - 1), 2, 1), (2, True, 0, q_rows, min(pend, q_rows - 1)),
             (6, False, 2, q_rows - 1, 0)]
     slots, fresh, replay, lens, drafts = (list(col) for col in zip(*seqs))
-    batch = RecurrentBatch(slots, fresh, replay, drafts, [s + 1 for s in slots])
+    parents = [BINARY[: k] if trees and k else None for k in drafts]
+    batch = RecurrentBatch(slots, fresh, replay, drafts, [s + 1 for s in slots], parents=parents)
     b, channels = 4, st.inputs.shape[-1]
     mixed, g, beta = torch.randn(b * q_rows, channels), -torch.rand(b * q_rows, 4) * 2, torch.rand(b * q_rows, 4)
     real = [i * q_rows + j for i, n in enumerate(lens) for j in range(n)]
@@ -111,7 +116,9 @@ def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows):
         eager = [t.clone() for t in (st.inputs, st.gates, st.matrix)]
         for t, old in zip((st.inputs, st.gates, st.matrix), before):
             t.copy_(old)
-        got = layer._fixed_recurrence(mixed, g, beta, batch.padded(b, lens, scratch, "cpu"))
+        table = batch.padded(b, lens, scratch, "cpu", q_rows)
+        assert table.trees == trees
+        got = layer._fixed_recurrence(mixed, g, beta, table)
     torch.testing.assert_close(got[real], want, atol=1e-5, rtol=1e-5)
     for slot, k in zip(batch.targets, drafts):
         torch.testing.assert_close(st.matrix[slot], eager[2][slot], atol=1e-5, rtol=1e-5)
@@ -193,6 +200,34 @@ def test_graph_forward_has_no_host_sync(graph_ngram, no_host_sync):
     with torch.inference_mode(), no_host_sync():
         graphs._load(graph, meta, ids)
         graph_ngram.engine.executor.worker.model(graph.input_ids, graph.meta)
+
+
+def test_tree_verify_graph_steps_equal_eager_steps(hybrid_dir, eager_plain, monkeypatch, no_host_sync):
+    """n-gram trees of three branches (six requests, padded to 8): their verify steps replay graphs of the
+    recurrence's tree form (each row's conv window and state from its own path, the rows' parents the graph's data),
+    apart from the chains' graphs; greedy tokens equal eager plain decoding's. A tree step's inputs (a star of drafts
+    under the last token) load into such a graph and the model runs on them with no host sync."""
+    from specray.models.attention import build_attention_metadata
+    from specray.models.gated_deltanet import RecurrentBatch
+
+    llm = engine(hybrid_dir, False, {**NGRAM, "num_speculative_tokens": 6, "num_branches": 3})
+    batches = recorded_batches(monkeypatch)
+    assert outputs(llm, greedy(32), PROMPT_IDS) == outputs(eager_plain, greedy(32), PROMPT_IDS)
+    assert branched(batches) and tree_graphs(llm) and 0 < llm.spec_stats.accepted_tokens
+    runner = llm.engine.executor.worker.runner
+    graphs = runner.graphs
+    (b, q, blocks), graph = next((k[0], g) for k, g in graphs.graphs.items() if "tree" in k)
+    star = torch.eye(q, dtype=torch.bool)
+    star[:, 0] = True  # every draft sees the last token and itself
+    meta = build_attention_metadata([q] * b, [5] * b, [[0, 1, 2, 3]] * b, 16, graphs.device,
+                                    positions=[5] + [6] * (q - 1) + list(range(5, 5 + q)) * (b - 1),
+                                    ancestors=[star] + [None] * (b - 1), min_ctx_blocks=blocks, read_in_place=False)
+    meta.recurrent = RecurrentBatch([0], [False], [0], [q - 1], parents=[[-1] * (q - 1)]).padded(
+        b, [q], runner.recurrent.scratch, graphs.device, q)
+    ids = torch.arange(b * q, device=graphs.device)
+    with torch.inference_mode(), no_host_sync():
+        graphs._load(graph, meta, ids)
+        llm.engine.executor.worker.model(graph.input_ids, graph.meta)
 
 
 def test_a_failed_graph_step_leaves_the_others_unharmed(hybrid_dir, eager_plain, graph_ngram, monkeypatch):

@@ -227,10 +227,10 @@ def plain_greedy(tiny_kimi_dir):
     return outs
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chains-from-graphs", "trees"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
 def test_ngram_greedy_equals_transformers(tiny_kimi_dir, plain_greedy, tree, monkeypatch):
-    """Plain greedy equals transformers' (the fixture); n-gram chains from graph steps and trees verified eagerly give
-    the same tokens, with drafts accepted and replayed (tests/hybrid_models.py)."""
+    """Plain greedy equals transformers' (the fixture); n-gram chains and trees from graph steps (the trees' in the
+    recurrence's tree form) give the same tokens, with drafts accepted and replayed (tests/hybrid_models.py)."""
     check_ngram_replays_keep_greedy(tiny_kimi_dir, plain_greedy, tree, monkeypatch)
 
 

@@ -19,7 +19,7 @@ from specray.models.mamba2 import GroupedGatedRMSNorm, Mamba2Mixer
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     MAMBA_ARCHS, NGRAM, PP_WORKER, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
     check_eagle3_keeps_greedy, check_prefill_chunks_and_decode, check_prefix_caching_keeps_tokens, generate, greedy,
-    hf_logits, hf_pair, ours, save, tokens)
+    branched, hf_logits, hf_pair, ours, recorded_batches, save, tokens, tree_graphs)
 from specray_test_engine_runs import refused_on_this_gpu  # tests/engine_runs.py
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 
@@ -247,8 +247,8 @@ def test_plain_engine_equals_transformers_greedy(engine_case):
 @pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
 def test_ngram_greedy_equals_plain_from_graphs(engine_case, tree, monkeypatch):
     """n-gram chains, and trees of three branches (each draft's state from its parent's, the plain gated rule), some
-    accepted and some not, from graph steps (Mamba-2's fixed-shape recurrence; on CPU the padded static inputs run
-    eagerly) where the engine takes them, tree steps eagerly: plain greedy's tokens."""
+    accepted and some not, from graph steps (Mamba-2's fixed-shape recurrence, its tree form for trees; on CPU the
+    padded static inputs run eagerly) where the engine takes them: plain greedy's tokens."""
     from specray import LLM
     from specray.models.step_graphs import StepGraphs
 
@@ -258,8 +258,10 @@ def test_ngram_greedy_equals_plain_from_graphs(engine_case, tree, monkeypatch):
     shapes, run = [], StepGraphs.run
     monkeypatch.setattr(StepGraphs, "run", lambda self, shape, *a, **kw: shapes.append(shape) or run(
         self, shape, *a, **kw))
+    batches = recorded_batches(monkeypatch)
     assert generate(llm, greedy()) == plain
     assert bool(shapes) != refused_on_this_gpu(llm), "no step replayed a graph"
+    assert not shapes or tree_graphs(llm) == branched(batches)  # a tree step replays the tree form's graphs
     assert 0 < llm.spec_stats.accepted_tokens < llm.spec_stats.draft_tokens, llm.spec_stats
 
 

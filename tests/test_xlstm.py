@@ -70,7 +70,7 @@ def build_xlstm(path: Path, seed: int = 0, **overrides) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_xlstm_dir(tmp_path_factory) -> Path:
-    return build_xlstm(tmp_path_factory.mktemp("tiny_xlstm"), seed=3)
+    return build_xlstm(tmp_path_factory.mktemp("tiny_xlstm"), seed=6)
 
 
 @pytest.fixture(scope="module")
@@ -259,10 +259,10 @@ def test_plain_engine_equals_transformers(tiny_xlstm_dir, plain):
     check_greedy_equals_transformers(tiny_xlstm_dir, plain)
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chains-from-graphs", "trees"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
 def test_ngram_drafts_keep_greedy(tiny_xlstm_dir, plain, monkeypatch, tree):
-    """(check_ngram_replays_keep_greedy) n-gram chains from graph steps (the fixed-shape recurrence), and trees of
-    three branches verified eagerly: plain greedy's tokens, drafts accepted and replayed."""
+    """(check_ngram_replays_keep_greedy) n-gram chains and trees of three branches from graph steps (the
+    fixed-shape recurrence, its tree form for trees): plain greedy's tokens, drafts accepted and replayed."""
     check_ngram_replays_keep_greedy(tiny_xlstm_dir, plain, tree, monkeypatch)
 
 

@@ -173,10 +173,10 @@ def test_plain_engine_equals_transformers(tiny_zamba_dir, plain):
     check_greedy_equals_transformers(tiny_zamba_dir, plain)
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chains-from-graphs", "trees"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
 def test_ngram_drafts_keep_greedy(tiny_zamba_dir, plain, tree, monkeypatch):
-    """(check_ngram_replays_keep_greedy) n-gram chains from graph steps (the fixed-shape recurrence), and trees of
-    three branches verified eagerly (each row's conv and scan from its parent's): plain greedy's tokens, drafts
+    """(check_ngram_replays_keep_greedy) n-gram chains and trees of three branches from graph steps (the
+    fixed-shape recurrence; its tree form for trees: each row's conv and scan from its parent's): plain greedy's tokens, drafts
     accepted and replayed."""
     check_ngram_replays_keep_greedy(tiny_zamba_dir, plain, tree, monkeypatch)
 

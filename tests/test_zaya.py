@@ -238,9 +238,9 @@ def test_ngram_chains_from_graphs_keep_greedy(tiny_zaya_dir, plain, monkeypatch)
 
 
 def test_ngram_trees_keep_greedy(tiny_zaya_dir, plain, monkeypatch):
-    """(check_ngram_replays_keep_greedy) trees of three branches verified eagerly (each row's convs and delayed values
-    over its own path), paths other than the first branch accepted (their K/V and pending conv inputs moved into path
-    order, then replayed): plain greedy's tokens."""
+    """(check_ngram_replays_keep_greedy) trees of three branches from graph steps (each row's convs and delayed
+    values over its own path), paths other than the first branch accepted (their K/V and pending conv inputs moved
+    into path order, then replayed): plain greedy's tokens."""
     from specray.workers.model_runner import ModelRunner
 
     rows, moves = [], []

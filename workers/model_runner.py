@@ -398,15 +398,15 @@ class ModelRunner:
             both_ways = self._image_masks(chunks, ancestors)
             ancestors = ancestors if both_ways is None else both_ways
         eager = images is not None or both_ways is not None
-        # a hybrid's trees, and a model's whose trees take the host's help (graph_trees: DeepSeek-V4's), eagerly
-        if self.graphs is not None and not eager and not (trees and (recurrent is not None
-                                                                     or not getattr(self.model, "graph_trees", True))):
+        # a model's trees that take the host's help (graph_trees: DeepSeek-V4's) eagerly
+        if self.graphs is not None and not eager and not (trees and not getattr(self.model, "graph_trees", True)):
             decode = all(c.num_tokens == 1 + c.num_draft_tokens for c in chunks)
             rows = 1 if recurrent is None else 1 + max(recurrent.replay)  # the replays fit the step's rows
             shape = self.graphs.shape(query_lens, starts, decode, min_rows=rows)
             if shape is not None:  # the slots and replays as the graph's data, padding in the scratch slot
                 padded = None if recurrent is None else recurrent.padded(shape.batch, query_lens,
-                                                                         self.recurrent.scratch, self.device)
+                                                                         self.recurrent.scratch, self.device,
+                                                                         shape.query_len)
                 return self.graphs.run(shape, token_ids, query_lens, starts, tables, positions=positions,
                                        ancestors=ancestors, inputs=lora_slots, recurrent=padded,
                                        rope_positions=None if rope is None else rope[0])

@@ -29,7 +29,10 @@ sequence's conv window is K - 1 history rows, Q replay rows and Q new rows, gath
 picks the step's Q past its most replays: each sequence's replays fit);
 rows past a sequence's own replays and tokens are padding (g = 0, beta = 0: the state stays as it is); the committed
 state is selected on the device after each sequence's last committed token; the conv history, pending inputs and
-gates go back by fixed-shape scatters. Padding sequences start from zeros in a scratch slot no request owns.
+gates go back by fixed-shape scatters. Padding sequences start from zeros in a scratch slot no request owns. A
+graph step with token trees also reads each row's parent row (:meth:`RecurrentBatch.parent_rows`) and runs the tree
+form (:meth:`RecurrentMixer._fixed_tree_conv`, :meth:`RecurrentMixer._fixed_tree_rule`): each row's conv window
+gathered along its path, its state from its parent row's by one row of the mixer's own rule at a time.
 """
 
 from __future__ import annotations
@@ -66,31 +69,55 @@ class RecurrentBatch:
     # real token) or None for a chain; None: every sequence a chain
     parents: list[list[int] | None] | None = None
 
-    def padded(self, batch: int, query_lens: list[int], scratch: int, device: torch.device | str
-               ) -> RecurrentGraphBatch:
+    def padded(self, batch: int, query_lens: list[int], scratch: int, device: torch.device | str,
+               width: int = 0) -> RecurrentGraphBatch:
         """These sequences as a graph step's device table (:class:`RecurrentGraphBatch`), with ``batch -
         len(query_lens)`` padding sequences after them: fresh, no replay, no drafts, no tokens, reading and writing
-        state slot ``scratch`` (no request's)."""
+        state slot ``scratch`` (no request's). A step with a token tree also gives each sequence's ``width`` rows
+        (the graph's) their parent rows (:meth:`parent_rows`)."""
         pads = batch - len(query_lens)
         assert pads >= 0 and len(query_lens) == len(self.slots), (batch, query_lens, self.slots)
         targets = self.slots if self.targets is None else self.targets
         rows = [self.slots + [scratch] * pads, targets + [scratch] * pads,
                 [int(f) for f in self.fresh] + [1] * pads, self.replay + [0] * pads, self.drafts + [0] * pads,
                 list(query_lens) + [0] * pads]
+        if self.parents is not None and any(p is not None for p in self.parents):
+            assert width >= max(query_lens), (width, query_lens)
+            rows += [list(col) for col in zip(*self.parent_rows(query_lens, width),
+                                              *[range(-1, width - 1)] * pads)]
         table = torch.tensor(rows, dtype=torch.long)
         if torch.device(device).type == "cuda":  # from pinned memory: an asynchronous copy, no wait for the stream
             table = table.pin_memory().to(device, non_blocking=True)
         return RecurrentGraphBatch(table)
+
+    def parent_rows(self, query_lens: list[int], width: int) -> list[list[int]]:
+        """Per sequence, the parent of each of its ``width`` rows among them (-1: the state it starts the rows
+        from, after its replays): a chain's row j - 1; a tree's drafts (:func:`tree_rows`) their parent draft's row
+        or the last real token's; padding rows past its tokens the row before."""
+        out = []
+        for n, drafts, parents in zip(query_lens, self.drafts, self.parents or [None] * len(query_lens)):
+            chain = list(range(-1, width - 1))
+            if parents is not None:
+                real = n - drafts
+                chain[real: n] = [real - 1 if p < 0 else real + p for p in parents]
+            out.append(chain)
+        return out
 
 
 @dataclass
 class RecurrentGraphBatch:
     """A graph step's :class:`RecurrentBatch` as data on the device: ``table`` [6, B] long, one column per sequence
     (padding ones included), its rows the state slot read, the slot written, fresh (1: start from zeros), the
-    drafts replayed, the drafts among its tokens and its real tokens (the rest of its Q rows are padding). A
-    graph holds one as a static input and copies each step's into it (:meth:`copy_`)."""
+    drafts replayed, the drafts among its tokens and its real tokens (the rest of its Q rows are padding); in a
+    step with token trees, Q rows more: each of a sequence's Q rows' parent row (:meth:`RecurrentBatch.parent_rows`).
+    A graph holds one as a static input and copies each step's into it (:meth:`copy_`)."""
 
     table: torch.Tensor
+
+    @property
+    def trees(self) -> bool:
+        """Whether the step's rows carry parents (a step with token trees: graphs of their own)."""
+        return self.table.shape[0] > 6
 
     def clone(self) -> RecurrentGraphBatch:
         return RecurrentGraphBatch(self.table.clone())
@@ -538,7 +565,7 @@ class RecurrentMixer(nn.Module):
         inputs_held, gates_held = st.inputs[:, : width + pend], st.gates[:, :pend]  # the rows a step reads or writes
         length = pend + q_rows  # scan rows per sequence
         dev = mixed.device
-        slots, targets, fresh, replay, drafts, lens = batch.table.unbind(0)  # [B] each
+        slots, targets, fresh, replay, drafts, lens = batch.table[:6].unbind(0)  # [B] each
         fresh = fresh.bool()
         # the window: the stored rows (history, then pending inputs; zeros when fresh) then the new rows, compacted
         # so that the new rows follow the n replayed ones: window row j < K - 1 + n is stored row j, later ones are
@@ -550,7 +577,12 @@ class RecurrentMixer(nn.Module):
         window = pool.gather(1, src[..., None].expand(-1, -1, pool.shape[-1]))  # [B, K - 1 + L, C]
         r = torch.arange(length, device=dev)[None, :]
         real = (r < (replay + lens)[:, None])[..., None]  # [B, L, 1]: replayed or new, not padding
-        conv = self._conv(window)  # [B, L, C]
+        parents = None
+        if batch.trees:  # each scan row's parent row (-1: the initial state): the new rows' after the replays'
+            new = (r >= replay[:, None]) & (r < (replay + q_rows)[:, None])
+            given = batch.table[6:].t().gather(1, (r - replay[:, None]).clamp(0, q_rows - 1))  # [B, L]
+            parents = torch.where(new, replay[:, None] + given, r - 1)
+        conv = self._conv(window) if parents is None else self._fixed_tree_conv(window, parents)  # [B, L, C]
         conv = torch.where(real, conv, torch.zeros((), dtype=conv.dtype, device=dev))
         if self.gates_from_conv:
             q, k, v, g_new, beta_new = self._heads_and_gates(conv)
@@ -571,7 +603,10 @@ class RecurrentMixer(nn.Module):
                 1, row_src), zero)
         initial = st.matrix.index_select(0, slots).float().masked_fill(fresh[:, None, None, None], 0.0)
         committed = replay + lens - drafts  # [B]: rows through the last committed token (0: a padding sequence)
-        out, kept = self._rule(q, k, v, g_rows, beta_rows, initial, committed - 1)  # -1: the initial state kept
+        if parents is None:
+            out, kept = self._rule(q, k, v, g_rows, beta_rows, initial, committed - 1)  # -1: the initial state kept
+        else:
+            out, kept = self._fixed_tree_rule(q, k, v, g_rows, beta_rows, initial, parents, committed - 1)
         out = self._skip(out, v)
         st.matrix.index_copy_(0, targets, kept.to(st.matrix.dtype))
         # the target's stored rows: the last K - 1 committed inputs (window rows from `committed` on), then the
@@ -587,6 +622,41 @@ class RecurrentMixer(nn.Module):
         # each sequence's Q new rows come after its n replayed ones
         out_src = (replay[:, None] + torch.arange(q_rows, device=dev)[None, :])[..., None, None]
         return out.gather(1, out_src.expand(-1, -1, *out.shape[2:])).flatten(0, 1)
+
+    def _fixed_tree_conv(self, window: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """:meth:`_tree_conv` over a graph step's rows: ``window`` [B, K - 1 + L, C] (history, then the scan rows),
+        ``parents`` [B, L] each scan row's parent row (-1: the history's last) -> [B, L, C]. Each row's K - 1
+        nearest ancestors are found by following parents on the device (:func:`tree_windows`' rule: past the first
+        row, the history's rows, newest first)."""
+        width = self.kernel - 1
+        b, length = parents.shape
+        dev = window.device
+        history = (torch.arange(width, device=dev) - 1).clamp(min=0).expand(b, width)  # a history row's: the one before
+        up = torch.cat((history, width + parents), 1)  # [B, K - 1 + L]: each window row's parent row
+        rows = [width + torch.arange(length, device=dev).expand(b, length)]
+        for _ in range(width):
+            rows.append(up.gather(1, rows[-1]))
+        index = torch.stack(rows[::-1], -1)  # [B, L, K], oldest first
+        picked = window[torch.arange(b, device=dev)[:, None, None], index]  # [B, L, K, C]
+        return self._tree_conv(picked.flatten(0, 1)).view(b, length, -1).to(window.dtype)
+
+    def _fixed_tree_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, initial: torch.Tensor, parents: torch.Tensor, keep_at: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_tree_rule` for a graph step: B sequences of L rows, row t updating its parent row's state
+        (``parents`` [B, L], -1: ``initial``) by :meth:`_rule` over that one row; -> the outputs [B, L, ...] and
+        the state after row ``keep_at`` [B] (-1: the initial one). Every row's state is kept, [B, 1 + L, ...]."""
+        b, length = parents.shape
+        seq = torch.arange(b, device=parents.device)
+        states = initial.new_empty(b, 1 + length, *initial.shape[1:])
+        states[:, 0] = initial
+        outs = []
+        for t in range(length):
+            rows = slice(t, t + 1)
+            out, states[:, t + 1] = self._rule(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows],
+                                               states[seq, parents[:, t] + 1], None)
+            outs.append(out)
+        return torch.cat(outs, 1), states[seq, keep_at + 1]
 
 
 class ConvOnlyMixer(RecurrentMixer):

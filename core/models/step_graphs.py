@@ -18,7 +18,9 @@ point at block 0 and are masked out, as in the eager padded path.
 Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next) replay too: the runner hands each step's state slots,
 replays and draft counts over as one more static input (:class:`~specray.models.gated_deltanet.RecurrentGraphBatch`)
 and the layer runs its fixed-shape recurrence on it; padding sequences start from zeros in a scratch state slot no
-request owns, as their rows write scratch blocks. Checked on CPU only: never captured on a GPU yet.
+request owns, as their rows write scratch blocks. A step with token trees adds each row's parent row to that input
+and replays graphs of its own (keyed by the shape and "tree"): the layer runs the recurrence's tree form. Chains'
+graphs were captured on an H200 (the suite's tests); trees' are checked on CPU only.
 
 Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and its drafts
 (at most ``SHORT_QUERY_MAX`` tokens), as a chain or a token tree (a tree's positions and ancestor masks are data the
@@ -172,11 +174,14 @@ class StepGraphs:
             self.device, positions=positions, ancestors=ancestors, min_ctx_blocks=shape.ctx_blocks,
             read_in_place=False)
         meta.recurrent = recurrent
-        key: StepShape | tuple = shape
+        tags = ()  # graphs apart from the shape's plain one: more static inputs, or another form of a layer
         if rope_positions is not None:
             rows = [_padded_rows(axis, query_lens, q, pads) for axis in rope_positions]
             meta.rope_positions = torch.tensor(rows, dtype=torch.long, device=self.device)
-            key = (shape, "rope")
+            tags += ("rope",)
+        if recurrent is not None and recurrent.trees:  # the recurrence's tree form (each row from its parent's)
+            tags += ("tree",)
+        key: StepShape | tuple = (shape, *tags) if tags else shape
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(meta, ids, inputs)  # its warm-up ran this step
