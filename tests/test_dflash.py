@@ -41,7 +41,7 @@ def target_dir(make_tiny_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def heads(target_dir, tmp_path_factory) -> dict[str, Path]:
     return {
-        # layer 0 causal in a window of 6, layer 1 attending the block both ways (the two kinds of metadata)
+        # layer 0 causal in a window of 6, layer 1 attending the block both ways (the two kinds of masks)
         "random": draft_heads.write_dflash(tmp_path_factory.mktemp("dflash_random"), target_dir, num_layers=2,
                                            block_size=5, layer_types=["sliding_attention", "full_attention"],
                                            sliding_window=6),
@@ -179,18 +179,25 @@ def worker_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
     return [t.cpu() for t in runner.drafter.kv_cache.snapshot(torch.tensor(slots))]
 
 
-@pytest.mark.parametrize("kind", ["random", "accepting"])
+@pytest.mark.parametrize("kind", ["random", "accepting", "random-graphs", "accepting-graphs"])
 def test_drafts_and_kv_equal_the_dense_reference(target_dir, heads, kind):
     """After every step, for every running request: the drafter's K/V at its committed positions (all but those it
     holds while it drafts nothing) equals the dense reference's, and its drafts are the reference's argmax (a near tie
     may go either way), with the reference's probabilities as their scores; a sampled request's q, kept for its
     verification, is its warpers over the reference's logits, and each draft lies in q's support. Small blocks, a pool
     that preempts and a budget that chunks prefills: checked after non-final prefill chunks, after preemption, and
-    (the accepting head) after steps that accepted drafts."""
+    (the accepting head) after steps that accepted drafts. "-graphs": decodes' passes from graphs (``enforce_eager``
+    False: on CPU the padded static inputs run eagerly), every row through the layers in the fixed form."""
+    kind, _, graphs = kind.partition("-")
     llm = make_llm(target_dir, heads, kind, block_size=4, num_kv_blocks=28, max_num_batched_tokens=16,
-                   max_num_seqs=4)
+                   max_num_seqs=4, enforce_eager=not graphs)
     engine = llm.engine
     engine.executor = rec = Recorder(engine.executor)
+    replays = []
+    if graphs:  # each pass from a graph: its batch
+        run = engine.executor.worker.runner.drafter.graphs.run
+        engine.executor.worker.runner.drafter.graphs.run = lambda shape, *a, **k: replays.append(shape.batch) or run(
+            shape, *a, **k)
     dense = DenseDFlash(target_dir, heads[kind])
     tok = llm.get_tokenizer()
     params = [greedy(20), SamplingParams(temperature=0.8, top_k=5, max_tokens=20, ignore_eos=True, seed=1),
@@ -239,7 +246,36 @@ def test_drafts_and_kv_equal_the_dense_reference(target_dir, heads, kind):
     assert engine.scheduler.num_preemptions > 0
     needed = [k for k in checked if k != "after acceptance" or kind == "accepting"]
     assert all(checked[k] for k in needed) and checked["drafts"] >= 10, checked
+    assert not graphs or len(replays) >= 10 and max(replays) > 1, replays
     assert free_blocks(llm) == 28
+
+
+def test_graph_passes_keep_greedy_output_and_run_without_a_host_sync(target_dir, heads, plain_outputs, no_host_sync):
+    """With graphs asked for: the accepting head's decode passes replay them, its greedy output plain's; a pass's
+    inputs load into a graph and the head runs on them with no host sync (a capture fails on one)."""
+    from specray.models.attention import build_attention_metadata
+    from specray.models.dflash import block_ancestors
+
+    llm = make_llm(target_dir, heads, "accepting", enforce_eager=False, block_size=4)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], greedy(), use_tqdm=False)]
+    assert got == plain_outputs[:3] and llm.spec_stats.accepted_tokens > 0
+    drafter = llm.engine.executor.worker.runner.drafter
+    graphs = drafter.graphs
+    (b, q, blocks), graph = next((k, g) for k, g in graphs.graphs.items() if k[0] > 1)
+    star = block_ancestors(2, K + 1, graphs.device)  # two context rows, then the block
+    pad = torch.zeros(q, q, dtype=torch.bool, device=graphs.device)
+    pad[: K + 3, : K + 3] = star
+    pad[K + 3:] = True  # (padding rows: anything)
+    start = blocks * 4 - q  # the graph's context: every sequence over the same blocks (their values do not matter)
+    meta = build_attention_metadata([q] * b, [start] * b, [list(range(blocks))] * b, 4, graphs.device,
+                                    positions=list(range(start, start + q)) * b, ancestors=[pad] * b,
+                                    read_in_place=False)
+    ids = torch.zeros(b * q, dtype=torch.long, device=graphs.device)
+    rows = torch.randn(b * q, drafter.head.hidden_size, device=graphs.device)
+    flags = torch.zeros(b * q, 1, dtype=torch.bool, device=graphs.device)
+    with torch.inference_mode(), no_host_sync():
+        graphs._load(graph, meta, ids, (rows, flags))
+        drafter.head.forward_rows(graph.inputs[0], graph.input_ids, graph.inputs[1], graph.meta)
 
 
 # ---- greedy output -----------------------------------------------------------------------------------------------

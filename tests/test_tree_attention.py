@@ -23,7 +23,7 @@ import torch
 
 from specray.models import attention, cpu_kernels
 from specray.models.attention import build_attention_metadata
-from specray.models.kv_cache import allocate_kv_cache, slots_of
+from specray.models.kv_cache import CAUSAL, allocate_kv_cache, slots_of
 from specray.models.llama import LlamaForCausalLM
 from specray.parallel import TPGroup
 
@@ -387,7 +387,7 @@ def test_64_node_tree_takes_the_own_path(llama, layout):
                             ancestors=[None, cached.mask, fresh.mask])
     assert meta.short.seq_ids == [0] and [s.seq_id for s in meta.own] == [1, 2]
     check_plan(meta, "batched", [tch, tc, tf], [len(c[0]) for c in chunks], layout)
-    assert meta.own[1].fresh and meta.own_mask(1, 2, attention.CAUSAL).shape == (69, 69)
+    assert meta.own[1].fresh and meta.own_mask(1, 2, CAUSAL).shape == (69, 69)
     close(outs[0], hf_logits(hf, chain)[9:12], "chain")
     cached.check(outs[1], hf, "64-node tree after a cached context")
     fresh.check(outs[2], hf, "64-node tree in a fresh prefill")

@@ -16,7 +16,12 @@ heads do.
 The block's K/V lands in the m + 1 slots from the sampled token's position: the scheduler reserves m + 1 slots past
 the verified drafts rather than a chain's m - 1 (``SchedulerConfig.worker_block_slots``). A request that drafts
 nothing after a step has its context put off (held, as the other hidden-state drafters hold their first pass) until
-it drafts again. The passes run eagerly (no CUDA graphs yet).
+it drafts again.
+
+A decode's pass (every request's rows at most ``SHORT_QUERY_MAX``) replays a graph of its own when the target's steps
+do (:class:`DFlashStepGraphs`): each request's rows padded to the graph's, every row through the layers in the fixed
+form :meth:`~specray.models.dflash.DFlashHead.forward_rows` takes (the block's rows a mask, the context features
+scattered into place on the device), the block rows' outputs picked after it; prefill chunks' passes run eagerly.
 """
 
 from __future__ import annotations
@@ -28,10 +33,24 @@ import torch
 from specray.contract import StepPlan
 from specray.models.attention import build_attention_metadata
 from specray.models.dflash import DFlashHead, block_ancestors, dflash_aux_layers, load_dflash
+from specray.models.step_graphs import StepGraphs
 from specray.parallel import TPGroup
 from specray.sampling_params import SamplingParams
 from specray.workers.head_drafter import Drafted, Drawn, HiddenStateDrafter, _asked, _index
 from specray.workers.medusa_drafter import ChoicesTrees
+
+
+class DFlashStepGraphs(StepGraphs):
+    """DFlash's passes replayed from graphs (module docstring): the graph's inputs beside the ids are the context
+    features at their rows and which rows are the block's; its output, every row's normed state."""
+
+    def __init__(self, head: DFlashHead, block_size: int, scratch_blocks: list[int], device: torch.device,
+                 max_position: int):
+        super().__init__(head, block_size, scratch_blocks, device, max_position=max_position)
+
+    def _forward(self, input_ids: torch.Tensor, meta, inputs: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model.forward_rows(inputs[0], input_ids, inputs[1], meta), []
 
 
 class DFlashDrafter(ChoicesTrees, HiddenStateDrafter):
@@ -39,10 +58,11 @@ class DFlashDrafter(ChoicesTrees, HiddenStateDrafter):
     (``speculative_token_tree``), a token tree filled from the block's rows as Medusa's from its heads."""
 
     reads_images = False  # its blocks embed the last committed token and masks, never a prompt's image rows
+    graphs_class = DFlashStepGraphs
 
     def __init__(self, head: DFlashHead, num_blocks: int, block_size: int, driver: bool = True, seed: int = 0,
-                 kv_cache_dtype: str = "auto", choices: list[list[int]] | None = None):
-        super().__init__(head, num_blocks, block_size, None, driver=driver, seed=seed, step_graphs=False,
+                 kv_cache_dtype: str = "auto", choices: list[list[int]] | None = None, step_graphs: bool = False):
+        super().__init__(head, num_blocks, block_size, None, driver=driver, seed=seed, step_graphs=step_graphs,
                          kv_cache_dtype=kv_cache_dtype)
         self.levels = None
         if choices is not None:
@@ -64,7 +84,7 @@ class DFlashDrafter(ChoicesTrees, HiddenStateDrafter):
     def build(cls, head: DFlashHead, config: dict, num_blocks: int, block_size: int) -> "DFlashDrafter":
         return cls(head, num_blocks, block_size, driver=bool(config.get("driver", True)),
                    seed=int(config.get("seed", 0)), kv_cache_dtype=str(config.get("kv_cache_dtype", "auto")),
-                   choices=config.get("choices"))
+                   choices=config.get("choices"), step_graphs=bool(config.get("step_graphs", False)))
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
                kept: dict[int, list[int]], paths: dict[int, list[int]],
@@ -92,12 +112,24 @@ class DFlashDrafter(ChoicesTrees, HiddenStateDrafter):
             ancestors.append(block_ancestors(n, block, device) if block else None)
             offset += n + block
         block_tables = [tables[plan.chunks[w.chunk].req_id] for w in work]
-        meta = build_attention_metadata(lens, starts, block_tables, self.block_size, device, ancestors=ancestors)
-        causal = (build_attention_metadata(lens, starts, block_tables, self.block_size, device)
-                  if head.needs_causal_metadata else None)
         context = head.context(source)  # (the aux layers' rows: see _source)
-        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        normed = head(context, ids, _index(context_rows, device), _index(block_rows, device), meta, causal)
+        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True)
+        if shape is None:
+            meta = build_attention_metadata(lens, starts, block_tables, self.block_size, device, ancestors=ancestors)
+            ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+            normed = head(context, ids, _index(context_rows, device), _index(block_rows, device), meta)
+        else:  # every row through the layers (the block's a mask), the block rows' outputs picked after
+            rows = context.new_zeros(offset, context.shape[-1]).index_copy_(0, _index(context_rows, device), context)
+            in_block = [False] * offset
+            for r in block_rows:
+                in_block[r] = True
+            taken = iter(block_ids)
+            ids = [next(taken) if b else 0 for b in in_block]
+            positions = [p for n, start in zip(lens, starts) for p in range(start, start + n)]
+            flags = torch.tensor(in_block, dtype=torch.bool, device=device)[:, None]
+            every, _ = self.graphs.run(shape, ids, lens, starts, block_tables, (rows, flags), positions=positions,
+                                       ancestors=ancestors)
+            normed = every.index_select(0, _index(block_rows, device))
         drafting = [w for w in work if w.drafts]
         if not drafting:
             return out

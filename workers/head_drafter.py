@@ -304,6 +304,7 @@ class HiddenStateDrafter(DrawsFromQ):
     """The worker side of a hidden-state drafter: a :class:`DraftHead` and its paged KV cache."""
 
     reads_images = True
+    graphs_class: type[StepGraphs] = HeadStepGraphs  # its passes' graphs (a drafter whose head runs otherwise: its own)
 
     def __init__(self, head: DraftHead, num_blocks: int, block_size: int, tree: TreeShape | StaticShape | None = None,
                  driver: bool = True, seed: int = 0, step_graphs: bool = False, kv_cache_dtype: str = "auto"):
@@ -313,7 +314,7 @@ class HiddenStateDrafter(DrawsFromQ):
         self.block_size = block_size
         # the head's passes (a decode's first pass, a chain's draft steps, a tree's levels) replayed from graphs when
         # the target's steps are (a head whose layer can be captured), their padding in scratch blocks of its own cache
-        self.graphs: HeadStepGraphs | None = None
+        self.graphs: StepGraphs | None = None
         scratch = 0
         if step_graphs and getattr(head, "num_modules", 1) == 1:  # one module (distinct ones run eagerly)
             why = why_eager(head, self.tp.size, asked=True)  # the target's replay: over several ranks, asked for
@@ -323,8 +324,8 @@ class HiddenStateDrafter(DrawsFromQ):
                 # grown later would leave the graphs reading the old one
                 positions = max(head.config.max_position_embeddings,
                                 getattr(head.target, "max_position_embeddings", 0))
-                self.graphs = HeadStepGraphs(head, block_size, list(range(num_blocks, num_blocks + scratch)),
-                                             head.device, positions)
+                self.graphs = self.graphs_class(head, block_size, list(range(num_blocks, num_blocks + scratch)),
+                                                head.device, positions)
             else:
                 logger.info("the draft head's steps run eagerly, as %s", why)
         self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks + scratch, block_size, kv_cache_dtype)

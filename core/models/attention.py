@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models import cpu_kernels, triton_attention
-from specray.models.kv_cache import CAUSAL, FullAttentionSpec, MaskKind, slots_of
+from specray.models.kv_cache import FullAttentionSpec, MaskKind, slots_of
 
 SHORT_QUERY_MAX = 16  # sequences with at most this many new tokens take the padded batched path
 
@@ -180,7 +180,7 @@ class AttentionMetadata:
         """Mask of own sequence ``i``: for a fresh prefill [q, q] (None: plain ``is_causal``), else [G*q, ctx]
         over its GQA-folded query rows (None: every row sees the whole context)."""
         seq = self.own[i]
-        if kind == CAUSAL and self.plain(seq.seq_id) and (seq.fresh or seq.query_len == 1):
+        if kind.plain and self.plain(seq.seq_id) and (seq.fresh or seq.query_len == 1):
             return None
         return self.cached(("own", i, groups, kind), lambda meta: _own_mask(meta, i, kind) if seq.fresh
                            else _own_mask(meta, i, kind).repeat(groups, 1))  # [q, ctx] or [G*q, ctx]

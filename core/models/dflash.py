@@ -35,6 +35,7 @@ on), and a window narrower than the block in a layer that attends the block both
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterable, Sequence
@@ -153,38 +154,50 @@ class DFlashHead(ReadsTarget):
         forced = getattr(config, "is_causal", None)
         self.causal = [kind == "sliding_attention" if forced is None else bool(forced) for kind in kinds]
         for layer, causal in zip(self.layers, self.causal):
-            window = getattr(layer.self_attn.attn.kv_spec, "sliding_window", None)
+            attn = layer.self_attn.attn
+            window = getattr(attn.kv_spec, "sliding_window", None)
             if not causal and window is not None and window < self.block_size:  # its window would cut the block
                 raise ValueError(f"the DFlash checkpoint's sliding_window={window} is narrower than its block of "
                                  f"{self.block_size} in a layer that attends the block both ways: not supported")
+            if causal:  # the pass's ancestor masks (the block both ways) narrowed to causal order
+                attn.mask_kind = dataclasses.replace(attn.mask_kind, causal_keys=True)
         self.kv_cache_bound = False
-
-    @property
-    def needs_causal_metadata(self) -> bool:
-        """Some layer keeps the block causal (it attends with metadata of its own, :meth:`forward`'s ``causal``)."""
-        return any(self.causal)
 
     def context(self, aux: Sequence[torch.Tensor]) -> torch.Tensor:
         """The target's residual streams at :attr:`aux_layers`, each [T, H_target] -> the context features [T, H]."""
         return self.hidden_norm(self.fc(torch.cat(list(aux), dim=-1)))
 
     def forward(self, context: torch.Tensor, block_ids: torch.Tensor, context_rows: torch.Tensor,
-                block_rows: torch.Tensor, meta: AttentionMetadata, causal: AttentionMetadata | None = None
-                ) -> torch.Tensor:
+                block_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One pass over every request's rows: ``context`` [Tc, H] (features of new committed positions) at rows
         ``context_rows``, the block's tokens ``block_ids`` [Tb] (anchor, then masks) at rows ``block_rows`` of the
-        pass's ``meta.num_tokens``; ``meta`` lets block rows see their whole block, ``causal`` (for the layers that
-        keep it causal) does not. Writes every row's K/V. Returns the block rows' normed hidden states [Tb, H]."""
+        pass's ``meta.num_tokens``; ``meta``'s ancestor masks let block rows see their whole block (the layers that
+        keep it causal narrow them to causal order: their mask kind's ``causal_keys``). Writes every row's K/V.
+        Returns the block rows' normed hidden states [Tb, H]."""
         if not self.kv_cache_bound:
             raise ValueError("the DFlash head's KV cache is not allocated: allocate_kv_cache(head, ...) first")
         x = self.target.embed(block_ids).to(context.dtype)  # [Tb, H]: the block's residual stream
         self.rotary_emb.ensure(meta.max_position + 1)
         cos, sin = self.rotary_emb(meta.positions, x.dtype)
         rows = context.new_empty(meta.num_tokens, self.hidden_size).index_copy_(0, context_rows, context)
-        for layer, keep_causal in zip(self.layers, self.causal):
+        for layer in self.layers:
             rows.index_copy_(0, block_rows, layer.input_layernorm(x))  # context rows: c as it is, no norm
-            a = layer.self_attn(rows, cos, sin, causal if keep_causal else meta).index_select(0, block_rows)
+            a = layer.self_attn(rows, cos, sin, meta).index_select(0, block_rows)
             x = x + a
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def forward_rows(self, rows: torch.Tensor, ids: torch.Tensor, block: torch.Tensor, meta: AttentionMetadata
+                     ) -> torch.Tensor:
+        """:meth:`forward` in fixed shapes (a pass replayed from a graph): every row runs the layers, ``rows`` [T, H]
+        the context features (zeros elsewhere), ``ids`` [T] the block's tokens (any id elsewhere), ``block`` [T, 1]
+        bool the block's rows. A row reads its feature or, in the block, its normed stream, so every K/V is
+        :meth:`forward`'s; the other rows' outputs are dropped. Returns every row's normed hidden state [T, H]."""
+        x = self.target.embed(ids).to(rows.dtype)
+        self.rotary_emb.ensure(meta.max_position + 1)
+        cos, sin = self.rotary_emb(meta.positions, x.dtype)
+        for layer in self.layers:
+            x = x + layer.self_attn(torch.where(block, layer.input_layernorm(x), rows), cos, sin, meta)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

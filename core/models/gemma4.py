@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.models.attention import AttentionMetadata, PagedAttention
-from specray.models.kv_cache import FullAttentionSpec, KVCacheSpec, MaskKind, SharedKVSpec, SlidingWindowSpec
+from specray.models.kv_cache import CAUSAL_KEYS, FullAttentionSpec, KVCacheSpec, SharedKVSpec, SlidingWindowSpec
 from specray.models.layers import (ColumnParallelLinear, OtherStage, QKVParallelLinear,
                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, _param, apply_rotary,
                                    divide, materialize, on_stage, rope_parameters)
@@ -151,14 +150,6 @@ class SharedPagedAttention(PagedAttention):
         pass
 
 
-@dataclass(frozen=True)
-class _CausalKeys(MaskKind):
-    """Causal by position even where a sequence brings a mask among its new tokens, which can then only narrow it."""
-
-    def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
-        return k_pos <= q_pos if causal is None else causal & (k_pos <= q_pos)
-
-
 class _StaysCausal:
     """A full layer's attention (mixed into :class:`PagedAttention`): a step's mask among a sequence's new tokens
     narrows its causal mask (a tree's ancestors) but never widens it, so an image whose tokens see each other both
@@ -166,11 +157,11 @@ class _StaysCausal:
     causally here, as transformers masks Gemma 4's full layers; without such a mask, the plain causal path."""
 
     def short_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
-        return meta.short_mask(self.groups, self.mask_kind if meta.ancestors is None else _CausalKeys())
+        return meta.short_mask(self.groups, self.mask_kind if meta.ancestors is None else CAUSAL_KEYS)
 
     def own_mask(self, meta: AttentionMetadata, i: int, dtype: torch.dtype) -> torch.Tensor | None:
         plain = meta.ancestors is None or meta.ancestors[meta.own[i].seq_id] is None
-        return meta.own_mask(i, self.groups, self.mask_kind if plain else _CausalKeys())
+        return meta.own_mask(i, self.groups, self.mask_kind if plain else CAUSAL_KEYS)
 
 
 class CausalPagedAttention(_StaysCausal, PagedAttention):

@@ -24,15 +24,23 @@ from specray.kv_blocks import slots_of  # noqa: F401  (re-exported: the attentio
 class MaskKind:
     """Which earlier keys a query may attend, compared by RoPE position (not by slot): always causal, plus a
     sliding ``window`` (keys within ``window`` positions) or a ``chunk`` (keys in the same chunk of positions,
-    Llama-4's chunked-local attention)."""
+    Llama-4's chunked-local attention). ``causal_keys``: causal by position even where a sequence brings a mask
+    among its new tokens (a tree's ancestors, an image's both ways), which can then only narrow it (Gemma 4's full
+    layers, DFlash's layers that keep their block causal)."""
 
     window: int | None = None
     chunk: int | None = None
+    causal_keys: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """Causal and nothing more where a sequence brings no mask of its own."""
+        return self.window is None and self.chunk is None
 
     def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
         """Bool mask, broadcast over ``q_pos`` and ``k_pos``; ``causal`` replaces ``k_pos <= q_pos`` where a
-        caller knows better (a tree's ancestors)."""
-        mask = k_pos <= q_pos if causal is None else causal
+        caller knows better (a tree's ancestors), or narrows it (``causal_keys``)."""
+        mask = k_pos <= q_pos if causal is None else causal & (k_pos <= q_pos) if self.causal_keys else causal
         if self.window is not None:
             mask = mask & (k_pos > q_pos - self.window)
         if self.chunk is not None:
@@ -41,6 +49,7 @@ class MaskKind:
 
 
 CAUSAL = MaskKind()
+CAUSAL_KEYS = MaskKind(causal_keys=True)
 
 
 @dataclass(frozen=True)
