@@ -14,7 +14,8 @@ from specray.models.loader import load_model
 from specray_test_model_checks import run_ranks  # tests/model_checks.py
 from specray_test_hybrid_models import (  # tests/hybrid_models.py
     NGRAM, PP_WORKER, TINY, TOL, TP_WORKER, Stepper, check_drafts_replayed, check_greedy_equals_transformers,
-    check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, tokens)
+    branched, check_prefill_chunks_and_decode, generate, greedy, hf_logits, hf_pair, ours, recorded_batches, tokens,
+    tree_graphs)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
@@ -212,6 +213,32 @@ def test_requests_may_pick_the_lookups_and_trees_of_their_own(tiny_qwen3_5_dir, 
     lookahead = LLM(model=str(tiny_qwen3_5_dir), max_model_len=128,
                     speculative_config={"method": "lookahead", "num_speculative_tokens": 15, "adaptive": False})
     assert generate(lookahead, greedy()) == plain_greedy and lookahead.spec_stats.accepted_tokens > 0
+
+
+# keys of one token: over the test prompts some have several values, which k4v proposes as a token tree
+K4V = {"method": "ngram_map_k4v", "num_speculative_tokens": 6, "ngram_size_n": 1, "ngram_size_m": 3, "adaptive": False}
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_k4v_trees_and_a_user_drafter_keep_greedy(tiny_qwen3_5_dir, plain_greedy, tmp_path, monkeypatch, eager):
+    """llama.cpp's ``ngram_map_k4v`` (a token tree of a key's values) and a user-provided drafter (docs/examples'
+    tree of what followed the last token's earlier occurrences) on a linear-attention target: their chains and token
+    trees verified by the recurrent state (each draft's state from its own path), eagerly and from graphs (the
+    recurrence's tree form): plain greedy's tokens, drafts accepted, trees among the steps."""
+    from pathlib import Path
+
+    from specray import LLM
+
+    example = Path(__file__).parents[1] / "docs" / "examples" / "last_token_drafter.py"
+    (tmp_path / "hybrid_drafters.py").write_text(example.read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    user = {"method": "hybrid_drafters:LastTokenDrafter", "num_speculative_tokens": 6, "adaptive": False}
+    for spec in (K4V, user):
+        batches = recorded_batches(monkeypatch)
+        llm = LLM(model=str(tiny_qwen3_5_dir), max_model_len=128, speculative_config=spec, enforce_eager=eager)
+        assert generate(llm, greedy()) == plain_greedy, spec["method"]
+        assert llm.spec_stats.accepted_tokens > 0 and branched(batches), (spec["method"], llm.spec_stats)
+        assert eager or tree_graphs(llm)
 
 
 def test_a_hybrid_draft_model_is_refused(tiny_qwen3_5_dir, tiny_llama_dir):

@@ -113,14 +113,12 @@ def check_engine_args(args: EngineArgs) -> None:
                          "distributed_executor_backend='ray'")
 
 
-# the drafters in the engine served on a model with linear attention: the lookups (their chains and token trees: each
-# draft's state follows its own path), a draft model and predicted outputs; a user's drafter is not (its trees and
-# chains are not known to fit the recurrent state's replay)
-RECURRENT_DRAFTERS = ("ngram", "draft_model", "ngram_simple", "ngram_map_k", "ngram_mod", "ngram_cache",
-                      "prediction", "suffix", "lookahead")
-# heads on the worker that draft for such a model, chains and trees alike: they read the verify pass's hidden rows (an
-# accepted tree path's among them; EAGLE-3, DFlash: the residual streams entering chosen layers) and keep K/V of their
-# own (Medusa's and ReDrafter's none), never the recurrent state, and the tree they draft is verified as a lookup's is
+# A model with linear attention verifies any drafter's drafts in the engine (the lookups', a draft model's, predicted
+# outputs, a user's drafter's: chains of at most num_speculative_tokens, which the state keeps pending, and token trees,
+# each draft's state following its own path), and these heads' on the worker, chains and trees alike: they read the
+# verify pass's hidden rows (an accepted tree path's among them; EAGLE-3, DFlash: the residual streams entering chosen
+# layers) and keep K/V of their own (Medusa's and ReDrafter's none), never the recurrent state, and the tree they draft
+# is verified as a lookup's is. Gemma 4's assistant (it reads the target's own K/V) is not.
 RECURRENT_HEADS = ("mtp", "eagle", "eagle3", "dflash", "medusa", "redrafter")
 
 
@@ -148,15 +146,11 @@ def check_recurrent(args: EngineArgs, hf_config) -> bool:
     if not getattr(model_class, "recurrent", False) or not model_class.recurrent_layers(hf_config):
         return False
     kind = f"{getattr(hf_config, 'model_type', '?')} (linear attention or Mamba-2: a recurrent state per request)"
-    if spec is not None and spec.method not in RECURRENT_DRAFTERS + RECURRENT_HEADS:
-        raise ValueError(f"speculative_config method={spec.method!r} is not supported for {kind}: use one of "
-                         f"{list(RECURRENT_DRAFTERS)} (their token trees too: num_branches) or one of "
-                         f"{list(RECURRENT_HEADS)} (chains, or trees: use_dynamic_tree, speculative_token_tree, "
-                         "medusa_choices, redrafter_num_beams)")
-    lookup = lookup_beside_head(spec) if spec is not None and spec.method in RECURRENT_HEADS else None
-    if lookup is not None and lookup.method not in RECURRENT_DRAFTERS:
-        raise ValueError(f"speculative_config.combine_with={lookup.method!r} is not supported for {kind}: "
-                         f"combine the head with one of {list(RECURRENT_DRAFTERS)}, or with none")
+    if spec is not None and registry.runs_in_worker(spec.method) and spec.method not in RECURRENT_HEADS:
+        raise ValueError(f"speculative_config method={spec.method!r} is not supported for {kind}: use a drafter "
+                         "in the engine (ngram, suffix, lookahead, the llama.cpp lookups, draft_model, prediction, "
+                         f"your own) or one of {list(RECURRENT_HEADS)} (chains, or trees: use_dynamic_tree, "
+                         "speculative_token_tree, medusa_choices, redrafter_num_beams)")
     return True
 
 
@@ -345,9 +339,6 @@ def build_engine(args: EngineArgs) -> LLMEngine:
                        adapters=adapters)
     limits = args.limit_mm_per_prompt or {}
     engine.mm_limits = {kind: limits.get(kind) if images else 0 for kind in MODALITIES}
-    if recurrent:  # a request's own method must draft what the recurrent state verifies too
-        engine.request_methods = (RECURRENT_DRAFTERS, "linear attention: its state is verified for the lookup "
-                                  "drafters' chains and trees")
     try:
         engine.structured.thinking_ids()  # a parser whose tags the tokenizer lacks fails now, not per request
     except ValueError:
