@@ -141,35 +141,46 @@ def reference_drafts(hf_target, assistant, seq: list[int], k: int) -> list[int]:
     return candidates[0, len(seq):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["random", "ordered", "accepting"])
+@pytest.mark.parametrize("kind", ["random", "ordered", "accepting", "random-graphs", "accepting-graphs"])
 def test_every_draft_equals_transformers_candidate_generator(target_dir, assistants, kind):
     """Each step's drafts (after a prefill, and after every verification, drafts accepted or not) equal transformers'
     assistant's over the committed sequence, run as the candidate generator runs it right after a prefill of that
     sequence. Right after a prefill that is what ``generate`` does. Later, ``generate`` would differ after a rejected
     draft: it cuts the target's K/V to the committed length, which then still holds the rejected draft's K/V at the
     sampled token's position P, and its assistant attends it (its sliding layers also see the target's own window
-    cache); ours attends the committed keys before P only, as it does after a prefill."""
+    cache); ours attends the committed keys before P only, as it does after a prefill. "-graphs": the draft steps
+    (and the target's) from graphs (on CPU their padded static inputs, eagerly)."""
     from transformers import Gemma4AssistantForCausalLM
 
-    check_drafts_equal_transformers(target_dir, assistants[kind], Gemma4AssistantForCausalLM, kind == "accepting")
+    kind, _, graphs = kind.partition("-")
+    check_drafts_equal_transformers(target_dir, assistants[kind], Gemma4AssistantForCausalLM, kind == "accepting",
+                                    graphs=bool(graphs))
 
 
-def check_drafts_equal_transformers(target_dir: Path, assistant_dir: Path, assistant_class, accepting: bool) -> None:
+def check_drafts_equal_transformers(target_dir: Path, assistant_dir: Path, assistant_class, accepting: bool,
+                                    graphs: bool = False) -> None:
     """Every step's drafts of three greedy requests equal :func:`reference_drafts` of transformers' assistant
-    (``assistant_class``) over the committed sequence; with an ``accepting`` assistant some are accepted too."""
+    (``assistant_class``) over the committed sequence; with an ``accepting`` assistant some are accepted too; with
+    ``graphs`` the draft steps replay one (three requests padded to 4)."""
     from transformers import AutoModelForCausalLM
 
     runs = sys.modules["specray_test_engine_runs"]
     prompts = runs.PROMPTS[:3]
-    llm = LLM(str(target_dir), max_model_len=128, speculative_config=spec(assistant_dir))
+    llm = LLM(str(target_dir), max_model_len=128, speculative_config=spec(assistant_dir), enforce_eager=not graphs)
     llm.engine.executor = rec = Recorder(llm.engine.executor)
+    drafter, replays = llm.engine.executor.worker.runner.drafter, []
+    assert (drafter.graphs is None) != graphs
+    if graphs:
+        run = drafter.graphs.run
+        drafter.graphs.run = lambda shape, *a, **k: replays.append(shape.batch) or run(shape, *a, **k)
     outs = llm.generate(prompts, runs.greedy(10), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     assistant = assistant_class.from_pretrained(str(assistant_dir), dtype=torch.float32).eval()
     tok = llm.get_tokenizer()
     committed = {o.request_id: tok.encode(p) for o, p in zip(outs, prompts)}
-    checked, after_accepted = 0, 0
+    checked, after_accepted, draft_steps = 0, 0, 0
     for plan, result in rec.steps:
+        draft_steps += max((len(d) for d in result.draft_token_ids or [] if d), default=0)  # the round's steps
         for chunk, kept, drafts in zip(plan.chunks, result.sampled_token_ids, result.draft_token_ids or []):
             if not kept:
                 continue
@@ -182,6 +193,28 @@ def check_drafts_equal_transformers(target_dir: Path, assistant_dir: Path, assis
     assert checked >= 3 * len(prompts)
     if accepting:
         assert after_accepted > 0 and llm.spec_stats.accepted_tokens > 0, llm.spec_stats
+    assert not graphs or len(replays) == draft_steps and 4 in replays, replays  # every step; 3 requests padded to 4
+
+
+def test_a_draft_step_from_a_graph_syncs_nothing(target_dir, assistants, no_host_sync):
+    """A draft step of three requests (padded to 4) replayed from a graph reads no tensor's value on the host (a
+    capture fails on one): their tokens, features and positions go in as device tensors."""
+    runs = sys.modules["specray_test_engine_runs"]
+    llm = LLM(str(target_dir), max_model_len=128, speculative_config=spec(assistants["random"]), enforce_eager=False)
+    llm.generate(runs.PROMPTS[:3], runs.greedy(4), use_tqdm=False)
+    drafter = llm.engine.executor.worker.runner.drafter
+    graphs, device = drafter.graphs, drafter.head.device
+    drafter.head.bind_target_kv()
+    starts, tables = [4, 5, 6], [[0]] * 3  # queries at positions 5, 6, 7 over block 0 (any values serve here)
+    shape = graphs.shape([1] * 3, starts, decode=True)
+    tokens, pos = torch.tensor([3, 4, 5], device=device), torch.tensor([5, 6, 7], device=device)
+    feature = torch.randn(3, drafter.head.pre_projection.weight.shape[1] - drafter.head.target.config.hidden_size,
+                          device=device)
+    with torch.inference_mode():
+        graphs.run(shape, tokens, [1] * 3, starts, tables, (feature, pos))  # captured here unless it was already
+        with no_host_sync():
+            graphs.run(shape, tokens, [1] * 3, starts, tables, (feature, pos))
+    assert shape.batch == 4 and shape in graphs.graphs
 
 
 def test_greedy_batch_equals_plain_decoding(target_dir, assistants):

@@ -14,6 +14,10 @@ that q by rejection sampling, which keeps the target's distribution. Chains only
 A request whose step kept a token tree's path that is not its first nodes (a lookup drafter's tree beside the
 assistant, ``combine_with``) drafts nothing that step: the target's K/V of those nodes move into place only with the
 next plan (``KVMove``), so they are not yet where the assistant would read them.
+
+Each draft step replays a graph when the target's steps do (:class:`AssistantStepGraphs`): the batch padded to a
+power of two (padding queries read block 0 of the target's cache: the assistant writes nothing, so any block serves
+them), the query's token, feature and RoPE position the graph's inputs.
 """
 
 from __future__ import annotations
@@ -22,10 +26,26 @@ import torch
 
 from specray.contract import StepPlan
 from specray.models.gemma4_assistant import Gemma4Assistant, draft_metadata, load_assistant
+from specray.models.step_graphs import StepGraphs, why_eager
 from specray.parallel import TPGroup
 from specray.sampling import logits_to_probs, sample
 from specray.sampling_params import SamplingParams
 from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, _Draw, _index, _scatter, rows_of_last_tokens
+
+
+class AssistantStepGraphs(StepGraphs):
+    """The assistant's draft steps replayed from graphs: one query per request at mask position P - 1 over the
+    target's cache (:func:`~specray.models.gemma4_assistant.draft_metadata`'s layout), its feature and RoPE position P
+    the graph's inputs beside the token; the outputs the next step's feature and the normed row for the logits."""
+
+    def __init__(self, head: Gemma4Assistant, block_size: int, device: torch.device):
+        # padding queries read block 0, past a table's end as well: nothing is written, so no scratch block is needed
+        super().__init__(head, block_size, [0], device, max_position=head.target.max_position_embeddings)
+
+    def _forward(self, input_ids: torch.Tensor, meta, inputs: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        feature, last = self.model(input_ids, inputs[0], inputs[1], meta)
+        return feature, [last]
 
 
 class Gemma4AssistantDrafter(DrawsFromQ):
@@ -34,9 +54,12 @@ class Gemma4AssistantDrafter(DrawsFromQ):
     aux_layers: tuple[int, ...] = ()
     kv_cache = None
 
-    def __init__(self, head: Gemma4Assistant, block_size: int, driver: bool = True, seed: int = 0):
+    def __init__(self, head: Gemma4Assistant, block_size: int, driver: bool = True, seed: int = 0,
+                 step_graphs: bool = False):
         super().__init__(head.tp, driver, seed)
         self.head, self.block_size = head, block_size
+        why = why_eager(head, 1) if step_graphs else "graphs were not asked for"
+        self.graphs = AssistantStepGraphs(head, block_size, head.device) if why is None else None
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> Gemma4Assistant:
@@ -53,7 +76,8 @@ class Gemma4AssistantDrafter(DrawsFromQ):
     @classmethod
     def build(cls, head: Gemma4Assistant, config: dict, num_blocks: int, block_size: int
               ) -> "Gemma4AssistantDrafter":
-        return cls(head, block_size, driver=bool(config.get("driver", True)), seed=int(config.get("seed", 0)))
+        return cls(head, block_size, driver=bool(config.get("driver", True)), seed=int(config.get("seed", 0)),
+                   step_graphs=bool(config.get("step_graphs", False)))
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
                kept: dict[int, list[int]], paths: dict[int, list[int]],
@@ -89,7 +113,13 @@ class Gemma4AssistantDrafter(DrawsFromQ):
                 meta = draft_metadata([positions[j] for j in live], [block_tables[j] for j in live], self.block_size,
                                       device)
                 pos = _index([positions[j] for j in live], device)
-            feature, last = self.head(tokens, feature, pos, meta)
+                shape = None if self.graphs is None else self.graphs.shape([1] * len(live), meta.start_positions,
+                                                                           decode=True)
+            if shape is None:
+                feature, last = self.head(tokens, feature, pos, meta)
+            else:  # (the graph's outputs: read before its next replay, which copies them in first)
+                feature, (last,) = self.graphs.run(shape, tokens, [1] * len(live), meta.start_positions,
+                                                   [block_tables[j] for j in live], (feature, pos))
             conf, tokens, probs = self._pick(self.head.logits(last), draw, live)
             steps.append(_scatter(tokens, live, len(found)))
             confs.append(_scatter(conf, live, len(found)))
