@@ -360,10 +360,12 @@ def test_logits_with_images_match_transformers(ours, reference, schedule):
 @pytest.fixture
 def full_layers_bidirectional(ours, monkeypatch):
     """Our full layers letting the image block see itself both ways too (Gemma 3's way)."""
-    from specray.models import gemma4
+    from specray.models.kv_cache import CAUSAL, CAUSAL_KEYS
 
-    monkeypatch.setattr(gemma4._StaysCausal, "short_mask", gemma4.PagedAttention.short_mask)
-    monkeypatch.setattr(gemma4._StaysCausal, "own_mask", gemma4.PagedAttention.own_mask)
+    full = [layer.self_attn.attn for layer in ours[0].model.layers if layer.self_attn.attn.mask_kind == CAUSAL_KEYS]
+    assert full
+    for attn in full:
+        monkeypatch.setattr(attn, "mask_kind", CAUSAL)
 
 
 @pytest.fixture

@@ -150,28 +150,6 @@ class SharedPagedAttention(PagedAttention):
         pass
 
 
-class _StaysCausal:
-    """A full layer's attention (mixed into :class:`PagedAttention`): a step's mask among a sequence's new tokens
-    narrows its causal mask (a tree's ancestors) but never widens it, so an image whose tokens see each other both
-    ways in the sliding layers (``ProcessedImage.bidirectional``, :mod:`specray.models.gemma4_images`) is attended
-    causally here, as transformers masks Gemma 4's full layers; without such a mask, the plain causal path."""
-
-    def short_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
-        return meta.short_mask(self.groups, self.mask_kind if meta.ancestors is None else CAUSAL_KEYS)
-
-    def own_mask(self, meta: AttentionMetadata, i: int, dtype: torch.dtype) -> torch.Tensor | None:
-        plain = meta.ancestors is None or meta.ancestors[meta.own[i].seq_id] is None
-        return meta.own_mask(i, self.groups, self.mask_kind if plain else CAUSAL_KEYS)
-
-
-class CausalPagedAttention(_StaysCausal, PagedAttention):
-    pass
-
-
-class SharedCausalPagedAttention(_StaysCausal, SharedPagedAttention):
-    pass
-
-
 class ProportionalRotaryEmbedding(RotaryEmbedding):
     """Gemma 4's "proportional" RoPE over a whole head: the first ``partial_rotary_factor`` of its frequency pairs
     at a whole head's frequencies (``theta ** (-2i / head_dim)``), the others at 0 (not rotated)."""
@@ -221,12 +199,13 @@ class Gemma4Attention(nn.Module):
         spec = dict(num_kv_heads=self.num_kv_heads, head_dim=head_dim, kv_head_start=kv_start)
         kv_spec = SlidingWindowSpec(**spec, sliding_window=config.sliding_window) if sliding else \
             FullAttentionSpec(**spec)
-        # a full layer stays causal over images that see each other both ways in the sliding layers (Gemma 4 Unified's
-        # see each other in every layer: its text config says so)
-        both_ways = sliding or getattr(config, "images_both_ways_in_full_layers", False)
-        kinds = (PagedAttention, SharedPagedAttention) if both_ways else \
-            (CausalPagedAttention, SharedCausalPagedAttention)
-        self.attn = kinds[source is not None](self.num_heads, kv_spec, 1.0)
+        self.attn = (SharedPagedAttention if source is not None else PagedAttention)(self.num_heads, kv_spec, 1.0)
+        # a full layer stays causal over images that see each other both ways in the sliding layers
+        # (``ProcessedImage.bidirectional``, specray.models.gemma4_images), as transformers masks Gemma 4's full
+        # layers: a step's mask among a sequence's new tokens (a tree's ancestors, an image's) narrows its causal
+        # order, never widens it (Gemma 4 Unified's images see each other in every layer: its text config says so)
+        if not (sliding or getattr(config, "images_both_ways_in_full_layers", False)):
+            self.attn.mask_kind = CAUSAL_KEYS
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -23,10 +23,10 @@ resize to the patch budget); the placeholder a prompt holds once per image is ``
 ``Gemma4Processor`` expands), replaced as that processor does: ``boi``, the image's soft tokens, ``eoi``. Only the soft
 tokens take embeddings. Where the text config's ``use_bidirectional_attention`` is "vision", transformers lets an
 image's soft tokens (its ``mm_token_type_ids``, not boi / eoi) see each other both ways in the sliding layers only
-(its full layers stay causal: :class:`specray.models.gemma4.CausalPagedAttention`); the items are then
-``bidirectional``, narrowed to the soft tokens by :meth:`Gemma4ImageProcessor.finish_prompt`. The text model puts the
-image rows in place after its sqrt(hidden) scale (unscaled) and, for per-layer inputs, reads the pad token's
-per-layer embedding on those rows (:meth:`specray.models.gemma4.Gemma4Model.text_ids`), as transformers does.
+(its full layers stay causal: their mask kind's ``causal_keys``, :class:`specray.models.gemma4.Gemma4Attention`); the
+items are then ``bidirectional``, narrowed to the soft tokens by :meth:`Gemma4ImageProcessor.finish_prompt`. The text
+model puts the image rows in place after its sqrt(hidden) scale (unscaled) and, for per-layer inputs, reads the pad
+token's per-layer embedding on those rows (:meth:`specray.models.gemma4.Gemma4Model.text_ids`), as transformers does.
 
 Refused by name: a vision config other than Gemma 4's, another activation or RoPE type, an image processor whose patch
 or pooling size differs from the vision config's, an image whose patch grid the pooling window does not divide, and

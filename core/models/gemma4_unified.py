@@ -48,7 +48,7 @@ def text_view(config):
     for field, off in ABSENT_FIELDS.items():
         setattr(view, field, off)
     # transformers' Unified model lets an image's soft tokens see each other both ways in its full layers too (Gemma
-    # 4's stay causal: ``gemma4.CausalPagedAttention``)
+    # 4's stay causal: their mask kind ``CAUSAL_KEYS``)
     view.images_both_ways_in_full_layers = True
     return view
 
