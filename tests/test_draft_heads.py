@@ -515,9 +515,9 @@ class Run:
     from transformers' features of each request's committed tokens (NaN in rows no committed position owns: a
     rejected draft, or a tree node off the accepted path, must never be read)."""
 
-    def __init__(self, head, target: Target, seed: int):
+    def __init__(self, head, target: Target, seed: int, step_graphs: bool = False):
         self.head, self.target = head, target
-        self.drafter = HiddenStateDrafter(head, NUM_BLOCKS, BLOCK)
+        self.drafter = HiddenStateDrafter(head, NUM_BLOCKS, BLOCK, step_graphs=step_graphs)
         free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(free)
         self.tables = {"A": free[:12], "B": free[12:24]}  # 48 positions each, non-consecutive blocks
@@ -746,18 +746,22 @@ def check_chained_step(run: Run, refs, chunks, kept, paths=None) -> list[list[in
     return drafts
 
 
-@pytest.mark.parametrize("num_modules", [2, 3])
-def test_chained_mtp_modules_draft_as_transformers_mtp_model(target, tmp_path, num_modules):
+@pytest.mark.parametrize("num_modules, graphs", [(2, False), (3, False), (2, True)], ids=["2", "3", "2-graphs"])
+def test_chained_mtp_modules_draft_as_transformers_mtp_model(target, tmp_path, num_modules, graphs):
     """DeepSeek's distinct MTP modules, paged: drafts and every module's logits equal transformers' MtpModel with
     num_modules layers over the committed sequence from scratch at every step. Three modules through the scenario
     above (chunked prefill, accepted drafts, a tree's accepted path, a request that drafts nothing for a step,
     requests drafting different counts); two through a short one of chains (all, some and none accepted, a step
-    without drafts, a chunked prefill beside)."""
+    without drafts, a chunked prefill beside), also with each module's passes from graphs of its own (on CPU their
+    padded static inputs, eagerly)."""
     folder = helpers.write_random_head(tmp_path / "mtp", "mtp", target.dir, seed=7, std=STD, num_modules=3)
     head = target.load("mtp", folder, feedback_normed=True, num_modules=num_modules)
     assert head.num_modules == num_modules and len(head.kv_cache_specs()) == num_modules
     refs = [TransformersMtpChain(target, read_tensors(folder), num_modules)]
-    run = Run(head, target, seed=11)
+    run = Run(head, target, seed=11, step_graphs=graphs)
+    replays = []
+    for g in run.drafter.module_graphs:
+        g.run = (lambda run_graph: lambda shape, *a, **k: replays.append(shape) or run_graph(shape, *a, **k))(g.run)
     if num_modules == 3:
         run_scenario(run, refs, seed=13, check=check_chained_step, limit=num_modules)
         return
@@ -783,6 +787,7 @@ def test_chained_mtp_modules_draft_as_transformers_mtp_model(target, tmp_path, n
             check_chained_step(run, refs, [chain("B", [tok], start, next_drafts=2)], {0: toks(1)})
             d = check_chained_step(run, refs, [chain("B", [last("B")[0]], last("B")[1], next_drafts=2)],
                                    {0: toks(1)})[0]
+    assert (len(run.drafter.module_graphs) == 2 and len(replays) >= 6) if graphs else not replays, replays
 
 
 def test_chained_mtp_modules_need_the_checkpoints_modules(target, tmp_path):

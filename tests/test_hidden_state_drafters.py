@@ -204,13 +204,16 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
     assert graphs.graphs, "no step ran from a graph"
     assert any(q > 1 for _, q, _ in graphs.graphs), list(graphs.graphs)  # verify steps too, trees' among them
     head_graphs = getattr(llm.engine.executor.worker.runner.drafter, "graphs", None)
-    if method in CHAIN_METHODS:  # the head's passes too (distinct MTP modules, Medusa and ReDrafter have none)
+    if method in CHAIN_METHODS:  # the head's passes too (Medusa and ReDrafter have none)
         assert head_graphs is not None and head_graphs.graphs, "no draft step ran from a graph"
         queries = {q for _, q, _ in head_graphs.graphs}
         assert 1 in queries and max(queries) > 1, list(head_graphs.graphs)  # chain steps, and first passes
         assert not any(tree_passes)
     elif method in ("eagle3-tree", "mtp-tree", "eagle3-static"):  # first passes and a tree's levels
         assert head_graphs is not None and any(tree_passes) and not all(tree_passes), tree_passes
+    elif method == "mtp3":  # each distinct module's passes from graphs of its own
+        modules = llm.engine.executor.worker.runner.drafter.module_graphs
+        assert head_graphs is None and len(modules) == 3 and all(g.graphs for g in modules), modules
     else:
         assert head_graphs is None or not head_graphs.graphs
 

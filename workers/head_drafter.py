@@ -312,20 +312,27 @@ class HiddenStateDrafter(DrawsFromQ):
         self.head = head
         self.tree = tree
         self.block_size = block_size
-        # the head's passes (a decode's first pass, a chain's draft steps, a tree's levels) replayed from graphs when
-        # the target's steps are (a head whose layer can be captured), their padding in scratch blocks of its own cache
+        # the head's passes (a decode's first pass, a chain's draft steps, a tree's levels; distinct MTP modules' passes
+        # over the first pass's rows, a graph per module) replayed from graphs when the target's steps are (a head
+        # whose layers can be captured), their padding in scratch blocks of its own cache
         self.graphs: StepGraphs | None = None
+        self.module_graphs: list[StepGraphs] = []
         scratch = 0
-        if step_graphs and getattr(head, "num_modules", 1) == 1:  # one module (distinct ones run eagerly)
+        if step_graphs:
             why = why_eager(head, self.tp.size, asked=True)  # the target's replay: over several ranks, asked for
             if why is None:
                 scratch = StepGraphs.scratch_blocks_needed(block_size)
+                blocks = list(range(num_blocks, num_blocks + scratch))
                 # RoPE tables sized once, before any capture, for every position the target allows too: a table
                 # grown later would leave the graphs reading the old one
-                positions = max(head.config.max_position_embeddings,
+                first = head.heads[0] if getattr(head, "num_modules", 1) > 1 else head
+                positions = max(first.config.max_position_embeddings,
                                 getattr(head.target, "max_position_embeddings", 0))
-                self.graphs = self.graphs_class(head, block_size, list(range(num_blocks, num_blocks + scratch)),
-                                                head.device, positions)
+                if first is not head:
+                    self.module_graphs = [HeadStepGraphs(module, block_size, blocks, head.device, positions)
+                                          for module in head.heads]
+                else:
+                    self.graphs = self.graphs_class(head, block_size, blocks, head.device, positions)
             else:
                 logger.info("the draft head's steps run eagerly, as %s", why)
         self.kv_cache: KVCache = allocate_kv_cache(head, num_blocks + scratch, block_size, kv_cache_dtype)
@@ -448,9 +455,7 @@ class HiddenStateDrafter(DrawsFromQ):
         rope = self._rope(inputs, [range(w.start, w.start + len(w.tokens)) for w in work], device)
         if self.tail_positions:
             ids = torch.tensor(tokens, dtype=torch.long, device=device)
-            meta = build_attention_metadata(lens, starts, work_tables, self.block_size, device)
-            meta.with_rope_positions(rope)
-            return self._chained(plan, work, source, ids, features, meta, out,
+            return self._chained(plan, work, source, ids, features, (lens, starts, work_tables, rope), out,
                                  self._draw(plan, _asked(work), params, self.head.device), images)
         feedback, normed = self._pass(tokens, features, lens, starts, work_tables, images[0], rope)
         drafting = [w for w in work if w.drafts > 0]
@@ -490,18 +495,30 @@ class HiddenStateDrafter(DrawsFromQ):
         return drawn
 
     def _chained(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...], ids: torch.Tensor,
-                 features: torch.Tensor, meta, out: list[Drafted | None], draw: _Draw | None,
+                 features: torch.Tensor, rows: tuple, out: list[Drafted | None], draw: _Draw | None,
                  images: list[tuple[torch.Tensor, ...] | None]) -> list[Drafted | None]:
-        """Distinct MTP modules over the first pass's rows: module k + 1 reads module k's outputs and the tokens one
-        further (each request's last row: module k's draft); draft k + 1 is module k's argmax at the last row (for
-        a sampled request, drawn from module k's q there)."""
+        """Distinct MTP modules over the first pass's rows (``rows``: their lens, starts, block tables and multimodal
+        RoPE ids): module k + 1 reads module k's outputs and the tokens one further (each request's last row: module
+        k's draft); draft k + 1 is module k's argmax at the last row (for a sampled request, drawn from module k's q
+        there). Each module's pass replays its graph where the rows have a graph's shape and no image or multimodal
+        RoPE id, else all run eagerly over one metadata."""
         device = ids.device
-        ends = torch.tensor(list(itertools.accumulate(len(w.tokens) for w in work)), device=device) - 1
+        lens, starts, tables, rope = rows
+        ends = torch.tensor(list(itertools.accumulate(lens)), device=device) - 1
         tokens, confs, qs = [], [], []
         everyone = list(range(len(work)))
+        plain = rope is None and all(embeds is None for embeds in images)
+        shape = self.module_graphs[0].shape(lens, starts, decode=True) if self.module_graphs and plain else None
+        meta = None
+        if shape is None:
+            meta = build_attention_metadata(lens, starts, tables, self.block_size, device)
+            meta.with_rope_positions(rope)
         for k in range(self.head.num_modules):
-            meta.input_embeds = images[k]  # the image rows module k's tokens take
-            features, normed = self.head.module(k, ids, features, meta)
+            if meta is None:
+                features, (normed,) = self.module_graphs[k].run(shape, ids, lens, starts, tables, (features,))
+            else:
+                meta.input_embeds = images[k]  # the image rows module k's tokens take
+                features, normed = self.head.module(k, ids, features, meta)
             conf, tok, probs = self._pick(normed.index_select(0, ends), draw, everyone)  # [B]: draft k + 1
             tokens.append(tok)
             confs.append(conf)
