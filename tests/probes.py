@@ -59,9 +59,20 @@ def stage_layers(worker) -> list[int]:
 
 
 def graph_shapes(worker) -> list[tuple[int, int, int]]:
-    """The step shapes this rank replays from graphs (empty: none yet; None: its steps run eagerly)."""
+    """The step shapes this rank replays from graphs (empty: none yet; None: its steps run eagerly), a tagged
+    graph's (a recurrent model's tree form, multimodal RoPE) by its shape."""
     graphs = worker.runner.graphs
-    return None if graphs is None else sorted(tuple(shape) for shape in graphs.graphs)
+    return None if graphs is None else sorted(tuple(key if isinstance(key[0], int) else key[0])
+                                              for key in graphs.graphs)
+
+
+def graph_kinds(worker) -> tuple[bool, int]:
+    """Whether this rank's target replayed a graph of the recurrent layers' tree form, and how many graphs its
+    drafter's head replays (its own, or one per distinct MTP module)."""
+    drafter = worker.runner.drafter
+    head = [getattr(drafter, "graphs", None)] + list(getattr(drafter, "module_graphs", []))
+    return (any("tree" in key for key in worker.runner.graphs.graphs),
+            sum(len(g.graphs) for g in head if g is not None))
 
 
 def rank(worker) -> int:

@@ -353,7 +353,7 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
     if method.startswith("qwen3_5-mtp"):  # a hybrid linear-attention target (a recurrent state per request), its mtp.*
         target = draft_heads.write_tiny_hybrid(tmp_path / "qwen3_5", "qwen3_5")
         spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
-        if method.endswith("-tree"):  # EAGLE-2 trees from the MTP layer
+        if "-tree" in method:  # EAGLE-2 trees from the MTP layer
             spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3, num_speculative_tokens=5)
         return target, draft_heads.write_qwen_mtp(tmp_path / "qwen3_5_mtp", target), spec
     if method.startswith("dflash"):  # its own copy of the target: the mask token's row embeds to zero
@@ -428,7 +428,7 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 # DeepSeek-V3's and GLM-4.5's MTP blocks are one module: its experts split by width on GLM's, whole on DeepSeek's.
 # (EAGLE-3's chains split over two ranks: test_heads_on_the_last_pipeline_stage_keep_greedy_output's eagle3-tp2.)
 HEAD_CASES = ["eagle3-tree", "eagle3-static", "eagle3-whole", "mtp3", "deepseek-mtp-ep", "glm-mtp", "qwen3_5-mtp-tree",
-              "mimo-mtp", "medusa", "redrafter", "dflash", "dflash-tree"]
+              "qwen3_5-mtp-tree-graphs", "mimo-mtp", "medusa", "redrafter", "dflash", "dflash-tree"]
 # a sampled request's tree drawn from q (checked sampled too)
 DRAWN_TREES = ("eagle3-tree", "eagle3-static", "qwen3_5-mtp-tree", "medusa", "redrafter", "dflash-tree")
 
@@ -450,16 +450,20 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     (EAGLE-3's, Qwen3.5's MTP's), static, Medusa and ReDrafter trees also for sampled requests, drawn from q and
     verified against it on rank 0: the same seeds give the same tokens as one rank, and unseeded ones (each rank draws
     from a stream seeded alike) finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0, reading the
-    target's embedding and LM head gathered whole once; rank 1 holds nothing of it."""
+    target's embedding and LM head gathered whole once; rank 1 holds nothing of it. ``-graphs``: every rank's steps
+    and head passes from graphs, asked for (enforce_eager=False; on CPU their padded static inputs run eagerly, each
+    rank picking the same shapes): Qwen3.5's tree verify steps in the recurrence's tree form, its MTP layer's tree
+    levels."""
     prompts = prompts_for(8, seed=3)
     target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
     deepseek = method.startswith("deepseek")
     references = run_to_end(engine_for(target), prompts)
     split = not method.endswith("-whole")
-    one_rank = engine_for(model, speculative_config=spec)
+    graphs = {"enforce_eager": False} if method.endswith("-graphs") else {}
+    one_rank = engine_for(model, speculative_config=spec, **graphs)
     assert run_to_end(one_rank, prompts) == references
     engine = engine_for(model, tensor_parallel_size=2, ray_placement=HALF_CPU, speculative_config=spec,
-                        enable_expert_parallel=method.endswith("-ep"))
+                        enable_expert_parallel=method.endswith("-ep"), **graphs)
     sampled = SamplingParams(temperature=0.8, top_k=5, seed=11, max_tokens=MAX_TOKENS)
     try:
         blocks = engine.scheduler.block_manager
@@ -469,6 +473,9 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
             assert (engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens) == (
                 one_rank.spec_stats.draft_tokens, one_rank.spec_stats.accepted_tokens)
         assert blocks.num_free_blocks == blocks.num_blocks
+        if graphs:  # both ranks replayed the tree form's graphs and their head's, the same ones
+            kinds = engine.executor.collective_rpc(probes.graph_kinds)
+            assert kinds[0] == kinds[1] and kinds[0][0] and kinds[0][1] > 0, kinds
         shares = engine.executor.collective_rpc(probes.head_share)
         # the engine read the target's and the head's configs: the ranks never import transformers
         assert engine.executor.collective_rpc(probes.imported, "transformers") == [False, False]
