@@ -75,20 +75,25 @@ def test_states_kept_at_device_positions_equal_the_host_ones():
         assert got[2].equal(s0[2]) and not want[2].equal(s0[2])
 
 
-@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+@pytest.mark.parametrize("trees", [False, True, "grouped"], ids=["chains", "trees", "trees-one-by-one"])
 @pytest.mark.parametrize("q_rows", [4, 16], ids=["scan", "chunked"])
-def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows, trees):
+def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows, trees, monkeypatch):
     """The layer's graph form against its eager form on random states and inputs: sequences fresh (over a slot
     holding another request's old state), replaying 0..min(P, Q - 1) drafts (the runner widens a step's rows past
     its replays), bringing 1..Q rows with drafts among them, padded to B = 4 with a padding sequence: the same
     outputs for every real row, the same committed matrix, conv history, pending inputs and gates in each target
     slot, every other slot but the scratch one untouched. ``trees``: the drafts form token trees (each row's conv
-    window and state from its own path: the tree form of the graph's recurrence), one sequence a chain beside them."""
+    window and state from its own path: the tree form of the graph's recurrence), one sequence a chain beside them;
+    "grouped": the tree form's sequences one at a time (as a batch whose rows' states outgrow TREE_STATE_BYTES)."""
     import types
 
+    from specray.models import gated_deltanet
     from specray.models.gated_deltanet import GatedDeltaNet, RecurrentBatch
     from specray.models.kv_cache import RecurrentState
     from specray.parallel import TPGroup
+
+    if trees == "grouped":
+        monkeypatch.setattr(gated_deltanet, "TREE_STATE_BYTES", 1)
 
     cfg = types.SimpleNamespace(hidden_act="silu", linear_num_key_heads=2, linear_num_value_heads=4,
                                 linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
@@ -117,7 +122,7 @@ def test_the_fixed_shape_recurrence_equals_the_eager_one(q_rows, trees):
         for t, old in zip((st.inputs, st.gates, st.matrix), before):
             t.copy_(old)
         table = batch.padded(b, lens, scratch, "cpu", q_rows)
-        assert table.trees == trees
+        assert table.trees == bool(trees)
         got = layer._fixed_recurrence(mixed, g, beta, table)
     torch.testing.assert_close(got[real], want, atol=1e-5, rtol=1e-5)
     for slot, k in zip(batch.targets, drafts):

@@ -232,6 +232,9 @@ def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 # docs/benchmarks.md, "Linear attention". On a GPU both cost their launches (several per token against a few per
 # chunk), so the crossing should come no later.
 CHUNKED_FROM = 16
+# a graph step's token trees keep every row's state (RecurrentMixer._fixed_tree_rule): at most this many bytes of them
+# at once, the batch's sequences taken in groups that fit
+TREE_STATE_BYTES = 256 << 20
 CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's size: C x C blocks stay small)
 
 
@@ -645,18 +648,27 @@ class RecurrentMixer(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_tree_rule` for a graph step: B sequences of L rows, row t updating its parent row's state
         (``parents`` [B, L], -1: ``initial``) by :meth:`_rule` over that one row; -> the outputs [B, L, ...] and
-        the state after row ``keep_at`` [B] (-1: the initial one). Every row's state is kept, [B, 1 + L, ...]."""
+        the state after row ``keep_at`` [B] (-1: the initial one). Every row's state is kept, [1 + L, ...] per
+        sequence, so the sequences go in groups whose states fit ``TREE_STATE_BYTES`` (a fixed split: the shapes'
+        alone)."""
         b, length = parents.shape
-        seq = torch.arange(b, device=parents.device)
-        states = initial.new_empty(b, 1 + length, *initial.shape[1:])
-        states[:, 0] = initial
-        outs = []
-        for t in range(length):
-            rows = slice(t, t + 1)
-            out, states[:, t + 1] = self._rule(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows],
-                                               states[seq, parents[:, t] + 1], None)
-            outs.append(out)
-        return torch.cat(outs, 1), states[seq, keep_at + 1]
+        per_sequence = (1 + length) * initial[0].numel() * initial.element_size()
+        group = max(1, TREE_STATE_BYTES // max(1, per_sequence))  # (a conv alone keeps an empty state)
+        outs, kept = [], []
+        for lo in range(0, b, group):
+            part = slice(lo, lo + group)
+            seq = torch.arange(min(group, b - lo), device=parents.device)
+            states = initial.new_empty(len(seq), 1 + length, *initial.shape[1:])
+            states[:, 0] = initial[part]
+            rows_out = []
+            for t in range(length):
+                rows = slice(t, t + 1)
+                out, states[:, t + 1] = self._rule(q[part, rows], k[part, rows], v[part, rows], g[part, rows],
+                                                   beta[part, rows], states[seq, parents[part, t] + 1], None)
+                rows_out.append(out)
+            outs.append(torch.cat(rows_out, 1))
+            kept.append(states[seq, keep_at[part] + 1])
+        return torch.cat(outs), torch.cat(kept)
 
 
 class ConvOnlyMixer(RecurrentMixer):
