@@ -204,7 +204,7 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
     assert graphs.graphs, "no step ran from a graph"
     assert any(q > 1 for _, q, _ in graphs.graphs), list(graphs.graphs)  # verify steps too, trees' among them
     head_graphs = getattr(llm.engine.executor.worker.runner.drafter, "graphs", None)
-    if method in CHAIN_METHODS:  # the head's passes too (Medusa and ReDrafter have none)
+    if method in CHAIN_METHODS:  # the head's passes too
         assert head_graphs is not None and head_graphs.graphs, "no draft step ran from a graph"
         queries = {q for _, q, _ in head_graphs.graphs}
         assert 1 in queries and max(queries) > 1, list(head_graphs.graphs)  # chain steps, and first passes
@@ -214,8 +214,8 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
     elif method == "mtp3":  # each distinct module's passes from graphs of its own
         modules = llm.engine.executor.worker.runner.drafter.module_graphs
         assert head_graphs is None and len(modules) == 3 and all(g.graphs for g in modules), modules
-    else:
-        assert head_graphs is None or not head_graphs.graphs
+    else:  # Medusa's heads, ReDrafter's beam search: a graph per padded batch
+        assert method in ("medusa", "redrafter") and head_graphs.graphs and not any(tree_passes), head_graphs.graphs
 
 
 def test_head_graph_padding_writes_only_scratch_blocks_and_loads_without_a_host_sync(target_dir, heads,
@@ -666,14 +666,18 @@ def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method, eager):
     assert levels and sum(replayed) == (0 if eager else len(levels)), (levels, replayed)  # graphs: every level
     assert free_blocks(llm) == 28
 
-def trees_over_dense_hidden(target_dir, heads, kind: str, method: str, num_nodes: int, max_tokens: int):
+def trees_over_dense_hidden(target_dir, heads, kind: str, method: str, num_nodes: int, max_tokens: int,
+                            eager: bool = True):
     """Run four prompts (small blocks, so they are preempted) through ``method``'s ``kind`` head drafting up to
-    ``num_nodes`` nodes; after every step, for every request that drafted: (its tokens, drafts, parents, scores,
-    the target's hidden state at its last committed position recomputed densely from scratch, the dense target)."""
-    kwargs = engine_kwargs(target_dir, heads, kind, method, block_size=4, num_kv_blocks=40, max_num_seqs=4)
+    ``num_nodes`` nodes (``eager`` False: the head's passes from graphs); after every step, for every request that
+    drafted: (its tokens, drafts, parents, scores, the target's hidden state at its last committed position
+    recomputed densely from scratch, the dense target)."""
+    kwargs = engine_kwargs(target_dir, heads, kind, method, block_size=4, num_kv_blocks=40, max_num_seqs=4,
+                           enforce_eager=eager)
     kwargs["speculative_config"]["num_speculative_tokens"] = num_nodes
     llm = LLM(kwargs.pop("model"), **kwargs)
     engine = llm.engine
+    assert (engine.executor.worker.runner.drafter.graphs is None) == eager
     engine.executor = rec = Recorder(engine.executor)
     target = load_model(str(target_dir))
     allocate_kv_cache(target, 64, 16)
@@ -696,9 +700,11 @@ def trees_over_dense_hidden(target_dir, heads, kind: str, method: str, num_nodes
             yield list(req.all_token_ids), drafts, parents, scores, hidden[-1], target
 
 
-def test_medusa_drafts_equal_the_heads_over_a_dense_recomputation(target_dir, heads):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_medusa_drafts_equal_the_heads_over_a_dense_recomputation(target_dir, heads, eager):
     """After every step, each request's Medusa tree is its heads' top-k over the target's hidden state at the last
-    committed position (recomputed densely from scratch), placed as medusa_choices says; greedy output is plain."""
+    committed position (recomputed densely from scratch), placed as medusa_choices says; greedy output is plain. The
+    heads' pass eagerly, and from graphs (on CPU their padded static inputs, eagerly)."""
     from specray.drafters.hidden_state import DEFAULT_MEDUSA_CHOICES
     from specray.models.medusa import load_medusa_heads
 
@@ -706,7 +712,7 @@ def test_medusa_drafts_equal_the_heads_over_a_dense_recomputation(target_dir, he
                                "cpu")
     checked = 0
     for tokens, drafts, _, _, hidden, _ in trees_over_dense_hidden(target_dir, heads, "accepting", "medusa",
-                                                                   len(DEFAULT_MEDUSA_CHOICES), 20):
+                                                                   len(DEFAULT_MEDUSA_CHOICES), 20, eager):
         with torch.inference_mode():
             probs = torch.softmax(medusa(hidden[None]), dim=-1)[0]  # [K, V]
         want = [int(probs[len(c) - 1].topk(4).indices[c[-1]]) for c in DEFAULT_MEDUSA_CHOICES[: len(drafts)]]
@@ -731,10 +737,12 @@ def reference_beams(drafter, embedding: torch.Tensor, context: torch.Tensor, fir
     return [(t, lps) for t, lps, _, _ in beams]
 
 
-def test_redrafter_trees_equal_a_dense_beam_search(target_dir, heads):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_redrafter_trees_equal_a_dense_beam_search(target_dir, heads, eager):
     """After every step, each request's tree is the prefix tree of the drafter's beams from the target's hidden
     state at the last committed position (recomputed densely from scratch) and the token it gave, searched one beam
-    at a time: its best nodes by path log-probability, each scored with its q given its parent."""
+    at a time: its best nodes by path log-probability, each scored with its q given its parent. The search eagerly,
+    and from graphs (its batch padded to a power of two)."""
     from specray.models.redrafter import load_redrafter
     from specray.workers.redrafter_drafter import prefix_tree
 
@@ -742,7 +750,7 @@ def test_redrafter_trees_equal_a_dense_beam_search(target_dir, heads):
     assert drafter.input_proj is not None and drafter.rnn
     checked = 0
     for tokens, drafts, parents, scores, hidden, target in trees_over_dense_hidden(target_dir, heads, "random",
-                                                                                   "redrafter", 7, 16):
+                                                                                   "redrafter", 7, 16, eager):
         with torch.inference_mode():
             beams = reference_beams(drafter, target.embed(torch.arange(target.vocab_size)), hidden, tokens[-1],
                                     width=3, length=3)
@@ -751,6 +759,25 @@ def test_redrafter_trees_equal_a_dense_beam_search(target_dir, heads):
         assert scores == pytest.approx(want.scores, abs=1e-5)
         checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("method", ["medusa", "redrafter"])
+def test_medusa_and_redrafter_passes_from_graphs_sync_nothing(target_dir, heads, no_host_sync, method):
+    """Medusa's heads and ReDrafter's beam search from a graph (three rows padded to 4) read no tensor's value on the
+    host (a capture fails on one) and give the eager pass's outputs."""
+    llm = make_llm(target_dir, heads, "accepting", method, enforce_eager=False)
+    graphs = llm.engine.executor.worker.runner.drafter.graphs
+    size = json.loads((target_dir / "config.json").read_text())["hidden_size"]
+    rows = torch.randn(3, size, generator=torch.Generator().manual_seed(0)).to(graphs.device)
+    inputs = (rows, torch.tensor([5, 6, 7], device=graphs.device)) if method == "redrafter" else (rows,)
+    with torch.inference_mode():
+        want = graphs.fn(*inputs)
+        graphs.run(*inputs)  # captured here
+        with no_host_sync():
+            got = graphs.run(*inputs)
+    assert list(graphs.graphs) == [4]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_redrafter_prefix_tree_merges_shared_prefixes():

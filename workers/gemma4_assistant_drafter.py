@@ -58,8 +58,9 @@ class Gemma4AssistantDrafter(DrawsFromQ):
                  step_graphs: bool = False):
         super().__init__(head.tp, driver, seed)
         self.head, self.block_size = head, block_size
-        why = why_eager(head, 1) if step_graphs else "graphs were not asked for"
-        self.graphs = AssistantStepGraphs(head, block_size, head.device) if why is None else None
+        self.graphs = None
+        if step_graphs and why_eager(head, 1) is None:
+            self.graphs = AssistantStepGraphs(head, block_size, head.device)
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> Gemma4Assistant:

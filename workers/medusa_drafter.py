@@ -19,6 +19,9 @@ draw has no mass under q (past its top-k or top-p support), which is dropped wit
 alone, never on the drawn tokens. The tree carries no scores (as the hidden-state drafter's drawn trees), so nothing
 that sizes what is verified looks at what was drawn. Medusa's typical acceptance (opt-in, lossy) reads no q: with
 it, every request's tree is the top-k one.
+
+The heads' pass replays a graph when the target's steps do (:class:`~specray.models.step_graphs.FunctionGraphs`: the
+rows padded to a power of two); what picks or draws from its logits runs eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from specray.contract import StepPlan
 from specray.models.medusa import MedusaHeads, load_medusa_heads
+from specray.models.step_graphs import FunctionGraphs, why_eager
 from specray.parallel import TPGroup
 from specray.sampling import SamplingBatch, logits_to_probs, sample_without_replacement
 from specray.sampling_params import SamplingParams
@@ -161,7 +165,8 @@ class MedusaDrafter(ChoicesTrees, DrawsFromQ):
     aux_layers: tuple[int, ...] = ()
     kv_cache = None
 
-    def __init__(self, heads: MedusaHeads, choices: list[list[int]], driver: bool = True, seed: int = 0):
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]], driver: bool = True, seed: int = 0,
+                 step_graphs: bool = False):
         deepest = max(len(c) for c in choices)
         if deepest > heads.num_heads:
             raise ValueError(f"speculative_config.medusa_choices goes {deepest} levels deep but the checkpoint has "
@@ -172,6 +177,10 @@ class MedusaDrafter(ChoicesTrees, DrawsFromQ):
         super().__init__(heads.tp, driver, seed)
         self.heads = heads
         self._init_choices(choices)
+        # over several ranks (the logits' all-gather inside) as the target's graphs: when asked for
+        self.graphs = None
+        if step_graphs and why_eager(heads, self.tp.size, asked=True) is None:
+            self.graphs = FunctionGraphs(lambda rows: (heads(rows),), next(heads.parameters()).device)
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> MedusaHeads:
@@ -185,7 +194,8 @@ class MedusaDrafter(ChoicesTrees, DrawsFromQ):
 
     @classmethod
     def build(cls, head: MedusaHeads, config: dict, num_blocks: int, block_size: int) -> "MedusaDrafter":
-        return cls(head, config["choices"], driver=bool(config.get("driver", True)), seed=int(config.get("seed", 0)))
+        return cls(head, config["choices"], driver=bool(config.get("driver", True)), seed=int(config.get("seed", 0)),
+                   step_graphs=bool(config.get("step_graphs", False)))
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
                kept: dict[int, list[int]], paths: dict[int, list[int]],
@@ -196,5 +206,6 @@ class MedusaDrafter(ChoicesTrees, DrawsFromQ):
         out: list[Drafted | None] = [None] * len(plan.chunks)
         if not found:
             return out
-        logits = self.heads(hidden.index_select(0, torch.tensor([row for _, row in found], device=hidden.device)))
+        rows = hidden.index_select(0, torch.tensor([row for _, row in found], device=hidden.device))
+        logits = self.heads(rows) if self.graphs is None else self.graphs.run(rows)[0]
         return self._trees(plan, [(i, plan.chunks[i].num_next_drafts) for i, _ in found], logits, params, out)

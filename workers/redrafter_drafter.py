@@ -19,6 +19,10 @@ top-k or top-p support, is dropped with what follows it), never by the drawn tok
 Nodes go level by level (each level's beams in draw order); verification reads, per row, the q its children were
 drawn from and tests them by recursive rejection sampling (:mod:`specray.tree_verification`), which keeps the
 target's distribution exactly.
+
+A greedy batch's beam search replays a graph when the target's steps do
+(:class:`~specray.models.step_graphs.FunctionGraphs`: the batch padded to a power of two, the search's shapes fixed by
+the beams and their length); drawn beams run eagerly (their draws read each request's own generator).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from specray.contract import StepPlan
 from specray.models.redrafter import ReDrafterHead, load_redrafter
+from specray.models.step_graphs import FunctionGraphs, why_eager
 from specray.parallel import TPGroup
 from specray.sampling import SamplingBatch, logits_to_probs, sample, sample_without_replacement
 from specray.sampling_params import SamplingParams
@@ -41,7 +46,8 @@ class ReDrafterDrafter(DrawsFromQ):
     aux_layers: tuple[int, ...] = ()
     kv_cache = None
 
-    def __init__(self, head: ReDrafterHead, beams: int, beam_length: int, driver: bool = True, seed: int = 0):
+    def __init__(self, head: ReDrafterHead, beams: int, beam_length: int, driver: bool = True, seed: int = 0,
+                 step_graphs: bool = False):
         # split over the target's ranks: every rank runs the beams on its rows of the LM head, in lockstep with the
         # driver (its verdict reaches them first: ModelRunner); the logits are all-gathered and every rank draws from
         # the same streams, so the beams are the same on every rank
@@ -49,6 +55,10 @@ class ReDrafterDrafter(DrawsFromQ):
         self.head, self.beams, self.beam_length = head, beams, beam_length
         # a drawn tree's parents, level by level: the first level under the root, each later node under its beam's
         self.drawn_parents = [-1] * beams + [node for node in range(beams * (beam_length - 1))]
+        # over several ranks (the logits' all-gather inside) as the target's graphs: when asked for
+        self.graphs = None
+        if step_graphs and why_eager(head, self.tp.size, asked=True) is None:
+            self.graphs = FunctionGraphs(self.beam_search, next(head.parameters()).device)
 
     @classmethod
     def load_head(cls, config: dict, target, target_config, tp: TPGroup | None = None) -> ReDrafterHead:
@@ -63,7 +73,7 @@ class ReDrafterDrafter(DrawsFromQ):
     @classmethod
     def build(cls, head: ReDrafterHead, config: dict, num_blocks: int, block_size: int) -> "ReDrafterDrafter":
         return cls(head, int(config["beams"]), int(config["beam_length"]), driver=bool(config.get("driver", True)),
-                   seed=int(config.get("seed", 0)))
+                   seed=int(config.get("seed", 0)), step_graphs=bool(config.get("step_graphs", False)))
 
     def _draft(self, plan: StepPlan, tables: dict[str, list[int]], hidden: torch.Tensor, aux: list[torch.Tensor],
                kept: dict[int, list[int]], paths: dict[int, list[int]],
@@ -84,7 +94,8 @@ class ReDrafterDrafter(DrawsFromQ):
         parts, q = [], None
         if searched:  # [2, G, M * L]: tokens and each one's log q given its beam's earlier ones
             index = torch.tensor(searched, device=device)
-            found_beams = self.beam_search(context.index_select(0, index), last.index_select(0, index))
+            search = self.beam_search if self.graphs is None else self.graphs.run
+            found_beams = search(context.index_select(0, index), last.index_select(0, index))
             parts.append(torch.stack([t.double() for t in found_beams]).flatten(2))
         if sampled:  # [2, S, L * M]: tokens and each one's mass under the q it was drawn from
             index = torch.tensor(sampled, device=device)

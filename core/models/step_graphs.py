@@ -120,10 +120,7 @@ class StepGraphs:
         self.scratch = scratch_blocks
         self.device = device
         self.capture = device.type == "cuda"
-        self.pool = None  # one memory pool shared by every graph (they never run at once)
-        # a stream of its own to capture on: torch's default capture stream is one per process, and a drafter's
-        # graphs may be captured while the target's are, in another thread (pipelined or async steps)
-        self.stream = None
+        self._recorder = _Recorder(device)
         self.graphs: dict[StepShape, _Graph] = {}
 
     @staticmethod
@@ -261,25 +258,86 @@ class StepGraphs:
             return graph
         logger.info("capturing a CUDA graph of %s for %d sequences x %d tokens, %d context blocks each",
                     type(self.model).__name__, meta.num_seqs, meta.short.max_query_len, meta.short.num_ctx_blocks)
+        cuda_graph, (hidden, aux) = self._recorder.record(lambda: self._step(input_ids, static, held),
+                                                          lambda: self._own_masks(static))
+        graph = _Graph(static, input_ids, hidden, aux, cuda_graph, held)
+        self._load(graph, meta, ids, inputs)
+        cuda_graph.replay()
+        return graph
+
+
+class _Recorder:
+    """Records CUDA graphs on a stream of its own (torch's default capture stream is one per process, and a drafter's
+    graphs may be captured while the target's are, in another thread: pipelined or async steps), every graph in one
+    memory pool (they never run at once), one capture at a time in the process."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = None
+        self.pool = None
+
+    def record(self, step, between=None):
+        """Run ``step`` twice off the capture (lazy inits happen there; ``between`` after the first: a graph's masks
+        made to its own storage), then record it: (the graph, what the recorded ``step`` returned, its outputs)."""
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         stream = self.stream
         with _CAPTURE_LOCK:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up off the capture: lazy inits and the masks happen here
-                self._step(input_ids, static, held)
-                self._own_masks(static)
-                self._step(input_ids, static, held)
+            with torch.cuda.stream(stream):
+                step()
+                if between is not None:
+                    between()
+                step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                hidden, aux = self._step(input_ids, static, held)
-        graph = _Graph(static, input_ids, hidden, aux, cuda_graph, held)
-        self._load(graph, meta, ids, inputs)
-        cuda_graph.replay()
-        return graph
+                out = step()
+        return cuda_graph, out
+
+
+class FunctionGraphs:
+    """A drafter's pass that reads no cache (ReDrafter's beam search, Medusa's heads) replayed from graphs: ``fn``
+    takes tensors of B rows each and returns a tuple of tensors of B rows each; one graph per batch padded to a power
+    of two, the inputs' rows copied into its static tensors (padding rows zero) and the outputs' first B rows returned
+    (views of its static outputs, which its next replay overwrites). On CPU ``fn`` runs eagerly on the static inputs,
+    as :class:`StepGraphs`' stand-in does."""
+
+    def __init__(self, fn, device: torch.device):
+        self.fn, self.device = fn, device
+        self.capture = device.type == "cuda"
+        self._recorder = _Recorder(device)
+        self.graphs: dict[int, tuple[list[torch.Tensor], tuple[torch.Tensor, ...], object | None]] = {}
+
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b = inputs[0].shape[0]
+        batch = _bucket(b)
+        held = self.graphs.get(batch)
+        if held is None:
+            static = [x.new_zeros(batch, *x.shape[1:]) for x in inputs]
+            for into, x in zip(static, inputs):
+                into[:b].copy_(x)
+            if self.capture:
+                logger.info("capturing a CUDA graph of %s for %d rows", getattr(self.fn, "__qualname__", "a pass"),
+                            batch)
+                graph, outs = self._recorder.record(lambda: self.fn(*static))
+                graph.replay()
+            else:
+                graph, outs = None, self.fn(*static)
+            self.graphs[batch] = (static, outs, graph)
+        else:
+            static, outs, graph = held
+            for into, x in zip(static, inputs):
+                into[:b].copy_(x)
+                into[b:].zero_()
+            if graph is not None:
+                graph.replay()
+            else:
+                for out, value in zip(outs, self.fn(*static)):
+                    out.copy_(value)
+        return tuple(out[:b] for out in outs)
 
 
 def _padded_rows(values: list[int], query_lens: list[int], q: int, pads: int) -> list[int]:
