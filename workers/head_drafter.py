@@ -851,12 +851,12 @@ class HiddenStateDrafter(DrawsFromQ):
         head's feedback and normed rows [B, n, H]."""
         b, n, h = node_features.shape
         positions = [[r + dd - 1 for dd in node_depth] for r in roots]
-        flat, ids, features = [p for own in positions for p in own], self.head.to_target_ids(tok).reshape(-1), \
-            node_features.reshape(b * n, h)
+        flat = [p for own in positions for p in own]
+        ids, features = self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h)
         rope = self._rope(inputs, positions, tok.device)
         # from a graph (the positions and ancestor masks its data) unless the head's trees take the host's help
-        shape = None if self.graphs is None or rope is not None or not getattr(self.head, "graph_trees", True) \
-            else self.graphs.shape([n] * b, roots, decode=True)
+        graphed = self.graphs is not None and rope is None and getattr(self.head, "graph_trees", True)
+        shape = self.graphs.shape([n] * b, roots, decode=True) if graphed else None
         if shape is None:
             meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, tok.device,
                                             positions=flat, ancestors=list(ancestors))

@@ -278,7 +278,8 @@ class _Recorder:
 
     def record(self, step, between=None):
         """Run ``step`` twice off the capture (lazy inits happen there; ``between`` after the first: a graph's masks
-        made to its own storage), then record it: (the graph, what the recorded ``step`` returned, its outputs)."""
+        given storage of their own), then record it: (the graph, what the recorded ``step`` returned: its outputs,
+        which each replay overwrites)."""
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         stream = self.stream
