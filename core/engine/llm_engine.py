@@ -76,10 +76,6 @@ class LLMEngine:
         # the method of a drafter that runs in the target's driver rank (hidden-state heads): its drafts come back
         # with each step's result (``_worker_drafts``) and enter the scheduler before the next step
         self.worker_method = worker_method
-        # (the methods a request may pick, why) on a target that verifies only some drafters' drafts (linear
-        # attention: the builder's RECURRENT_DRAFTERS; chains only: CHAIN_DRAFTERS), None when any may be picked; set
-        # by the builder
-        self.request_methods: tuple[tuple[str, ...], str] | None = None
         self.worker_trees = worker_trees  # it drafts token trees (EAGLE-2, Medusa): each a whole tree, then priced
         # a tree the worker drew from q (a sampled request's EAGLE-2 tree) is priced by the shape the worker grows
         # its trees in, not its own (``_as_priced``)
@@ -207,10 +203,6 @@ class LLMEngine:
                                  f"leave speculative_method out or give {self.worker_method!r}")
             return False
         check_request_method(method, None if self.router is None else self.router.spec)
-        allowed, why = self.request_methods or ((), "")
-        if self.request_methods is not None and method != self.router.method and method not in allowed:
-            raise ValueError(f"speculative_method={method!r} is not served on this model ({why}); pick one of "
-                             f"{list(allowed)} or leave speculative_method out")
         if method == self.router.method:
             return False
         self.router.prepare(method)
