@@ -30,7 +30,7 @@ import torch
 from specray.config import QUANTIZATIONS, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.registry import options_of
-from specray.models.attention import build_attention_metadata
+from specray.models.attention import SHORT_QUERY_MAX, build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.layers import check_heads_split, set_max_model_len
 from specray.models.loader import check_quantization, load_model, load_tokenizer, read_config
@@ -337,8 +337,10 @@ class DraftModelDrafter:
     def _hidden(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:
         """The draft model's hidden states [T, H] over every request's ``feeds`` after its cached tokens."""
         lens, starts = [len(f) for f in feeds], [len(s.cached) for s in states]
-        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True)
-        if shape is not None:  # short passes (at most SHORT_QUERY_MAX tokens each) from a graph
+        # short passes (at most SHORT_QUERY_MAX tokens each: no prompt's) from a graph
+        decode = max(lens) <= SHORT_QUERY_MAX
+        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=decode)
+        if shape is not None:
             hidden, _ = self.graphs.run(shape, [t for f in feeds for t in f], lens, starts,
                                         [s.block_ids for s in states])
             return hidden

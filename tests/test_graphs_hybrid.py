@@ -235,6 +235,20 @@ def test_tree_verify_graph_steps_equal_eager_steps(hybrid_dir, eager_plain, monk
         llm.engine.executor.worker.model(graph.input_ids, graph.meta)
 
 
+def test_wide_tree_verify_graph_steps_equal_eager_steps(hybrid_dir, eager_plain, monkeypatch):
+    """Lookahead decoding's wider window (29 nodes: 30 rows a request, past the eager path's short queries): its
+    verify steps replay graphs of 32 rows per request in the recurrence's tree form; greedy tokens equal eager plain
+    decoding's."""
+    spec = {"method": "lookahead", "max_window_size": 5, "max_ngram_size": 4, "max_verification_set_size": 5,
+            "adaptive": False}
+    llm = engine(hybrid_dir, False, spec)
+    batches = recorded_batches(monkeypatch)
+    assert outputs(llm, greedy(32), PROMPT_IDS) == outputs(eager_plain, greedy(32), PROMPT_IDS)
+    assert branched(batches) and 0 < llm.spec_stats.accepted_tokens
+    trees = [key[0] for key in llm.engine.executor.worker.runner.graphs.graphs if "tree" in key]
+    assert any(q == 32 for _, q, _ in trees), trees
+
+
 def test_a_failed_graph_step_leaves_the_others_unharmed(hybrid_dir, eager_plain, graph_ngram, monkeypatch):
     """One request's graph steps raise in the second linear-attention layer (after the first wrote its new states)
     from its third step on: the engine runs the step again without it, and the others' tokens are plain greedy

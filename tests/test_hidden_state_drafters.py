@@ -34,6 +34,7 @@ from specray_test_engine_runs import (PROMPTS, Recorder, check_candidates, greed
 CHAIN_METHODS = ("eagle", "eagle3", "mtp")
 # EAGLE-2: the eagle3 head drafting dynamic trees (2 children per node, 3 levels, the best 5 nodes)
 TREE = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}
+WIDE_TREE = {"dynamic_tree_max_topK": 4, "dynamic_tree_depth": 6, "num_speculative_tokens": 24}
 # "mtp3": three distinct MTP modules (num_nextn_predict_layers=3), each drafting one position further
 # "-static": vLLM's static tree (speculative_token_tree, its Python-literal string): 2 nodes at depth 1, a rank left
 # out at depth 2 (a greedy node's rank is not its place among its siblings), 5 nodes (all verified)
@@ -617,26 +618,32 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
 
 
 @pytest.mark.parametrize("method,eager", [("eagle3-tree", True), ("mtp-tree", False), ("eagle3-static", False),
-                                          ("mtp-static", True)])
+                                          ("mtp-static", True), ("eagle3-tree-wide", False)])
 def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method, eager):
     """After every step, each greedy request's EAGLE-2 tree (an EAGLE-3 head's, an MTP module's: one pass per level
     over every node so far, with ancestor masks) is EAGLE-2 recomputed with the head run densely as a chain along
     each node's path from the request's committed tokens (:meth:`DenseHead.check_tree`); static trees likewise
     (:meth:`DenseHead.check_static_tree`). Small blocks, a pool that preempts and a token budget that chunks
     prefills; each kind of tree once with its levels from graphs (``eager`` False: on CPU, the padded static inputs
-    run eagerly), its nodes padded to the graph's rows."""
-    kwargs = engine_kwargs(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=28,
-                           max_num_batched_tokens=16, max_num_seqs=4, enforce_eager=eager)
+    run eagerly), its nodes padded to the graph's rows; "-wide": 4 children a node and 6 levels (20 nodes by the
+    last pass, past the eager path's short queries), from graphs of 32 rows, the target's verify steps too."""
+    method, wide = method.removesuffix("-wide"), method.endswith("-wide")
+    tree = {**TREE, **(WIDE_TREE if wide else {})}
+    kwargs = engine_kwargs(target_dir, heads, "accepting", method, block_size=4, num_kv_blocks=36 if wide else 28,
+                           max_num_batched_tokens=32 if wide else 16, max_num_seqs=4, enforce_eager=eager)
+    kwargs["speculative_config"].update(WIDE_TREE if wide else {})
     llm = LLM(kwargs.pop("model"), **kwargs)
     engine = llm.engine
-    drafter = engine.executor.worker.runner.drafter
+    runner = engine.executor.worker.runner
+    drafter = runner.drafter
     assert (drafter.graphs is None) == eager
     levels, replayed = [], []  # per pass over a tree's levels; per replay of the head's graphs, whether it was one
     over_nodes = drafter._over_nodes
     drafter._over_nodes = lambda *a, **kw: levels.append(1) or over_nodes(*a, **kw)
     if not eager:
         run = drafter.graphs.run
-        drafter.graphs.run = lambda *a, **kw: replayed.append(kw.get("ancestors") is not None) or run(*a, **kw)
+        drafter.graphs.run = lambda *a, **kw: replayed.append((kw.get("ancestors") is not None, a[0].query_len)) or \
+            run(*a, **kw)
     engine.executor = rec = Recorder(engine.executor)
     head, _, kind = method.partition("-")
     model = str(heads["accepting", "mtp"]) if head == "mtp" else str(target_dir)
@@ -657,14 +664,18 @@ def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method, eager):
                 if kind == "static":
                     dense.check_static_tree(req.all_token_ids, drafts, parents, scores, parse_token_tree(STATIC))
                 else:
-                    dense.check_tree(req.all_token_ids, drafts, parents, scores, TREE["dynamic_tree_max_topK"],
-                                     TREE["dynamic_tree_depth"])
+                    dense.check_tree(req.all_token_ids, drafts, parents, scores, tree["dynamic_tree_max_topK"],
+                                     tree["dynamic_tree_depth"])
                 checked += 1
                 branched += len(set(parents)) < len(parents)
     assert engine.scheduler.num_preemptions > 0
     assert checked >= 10 and branched > 0, (checked, branched)
-    assert levels and sum(replayed) == (0 if eager else len(levels)), (levels, replayed)  # graphs: every level
-    assert free_blocks(llm) == 28
+    levels_replayed = [q for is_level, q in replayed if is_level]
+    assert levels and len(levels_replayed) == (0 if eager else len(levels)), (levels, replayed)  # graphs: every level
+    if wide:
+        assert max(levels_replayed) == 32 and max(q for _, q, _ in runner.graphs.graphs) == 32
+    assert free_blocks(llm) == llm.engine.scheduler.config.num_blocks
+
 
 def trees_over_dense_hidden(target_dir, heads, kind: str, method: str, num_nodes: int, max_tokens: int,
                             eager: bool = True):

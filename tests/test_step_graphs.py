@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specray import LLM
+from specray.models.step_graphs import GRAPH_QUERY_MAX, GRAPH_ROWS_MAX
 from specray_test_engine_runs import greedy, token_ids  # tests/engine_runs.py (registered by conftest)
 
 PROMPTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox", "Hello world! How are you today?",
@@ -46,6 +47,44 @@ def test_graph_steps_equal_eager_steps(request, fixture, spec):
     assert graphs.engine.scheduler.prefix_cache_hits > 0
 
 
+# lookahead decoding's wider window (W=5, N=4, G=5): 4 + 5 * 2 window nodes and 5 n-grams of 3: 29 nodes, a step of 30
+# rows per request once its pool is full, past the eager path's short queries (SHORT_QUERY_MAX = 16)
+WIDE = {"method": "lookahead", "max_window_size": 5, "max_ngram_size": 4, "max_verification_set_size": 5,
+        "adaptive": False}
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir"])
+def test_wide_tree_steps_replay_graphs(request, fixture):
+    """Verify steps of trees wider than the eager path's short queries (each attended on its own there) replay graphs
+    of 32 rows per request, every row on the padded path: the eager engine's tokens, batches of 6 (padded to 8) and
+    of 1, block size 4, Gemma 3's sliding windows included."""
+    folder = str(request.getfixturevalue(fixture))
+    kwargs = dict(max_model_len=256, block_size=4, speculative_config=WIDE)
+    eager, graphs = LLM(model=folder, **kwargs), LLM(model=folder, enforce_eager=False, **kwargs)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        want = token_ids(eager.generate(prompts, greedy(24), use_tqdm=False))
+        assert token_ids(graphs.generate(prompts, greedy(24), use_tqdm=False)) == want
+    shapes = graphs_of(graphs).graphs
+    assert {(8, 32), (1, 32)} <= {(b, q) for b, q, _ in shapes}, list(shapes)
+    assert graphs.spec_stats.accepted_tokens > 0
+
+
+def test_a_graph_steps_widest_shape():
+    """A step replays a graph while each request brings at most GRAPH_QUERY_MAX tokens and the padded step at most
+    GRAPH_ROWS_MAX rows; prefills (not a decode) never."""
+    from specray.models.step_graphs import StepGraphs, StepShape
+
+    graphs = StepGraphs(torch.nn.Identity(), 16, [], torch.device("cpu"), max_position=4096)
+    assert graphs.shape([17, 3], [40, 0], decode=True) == StepShape(2, 32, 8)  # 40 + 32 slots: 5 blocks, to 8
+    assert graphs.shape([GRAPH_QUERY_MAX], [0], decode=True) == StepShape(1, GRAPH_QUERY_MAX, GRAPH_QUERY_MAX // 16)
+    assert graphs.shape([GRAPH_QUERY_MAX + 1], [0], decode=True) is None
+    most = GRAPH_ROWS_MAX // 64
+    assert graphs.shape([64] * most, [0] * most, decode=True).batch == most
+    assert graphs.shape([64] * (most + 1), [0] * (most + 1), decode=True) is None
+    assert graphs.shape([1] * (most + 1), [0] * (most + 1), decode=True).batch == 2 * most
+    assert graphs.shape([4, 1], [0, 9], decode=False) is None
+
+
 def test_a_padded_tree_step_keeps_its_rows_apart_from_the_padding():
     """A tree's rows padded to the graph's width: each real row sees what its ancestor mask says and never a
     padding row; a padding row sits at its slot index and sees what the last real row sees, and itself; a chain
@@ -67,7 +106,8 @@ def test_padding_rows_write_only_scratch_blocks(tiny_llama_dir):
     kwargs = dict(model=str(tiny_llama_dir), max_model_len=128, block_size=4, num_kv_blocks=64)
     eager, llm = LLM(**kwargs), LLM(enforce_eager=False, **kwargs)
     runner = llm.engine.executor.worker.runner
-    assert runner.graphs.scratch == list(range(64, 68))  # 16 tokens of 4-slot blocks
+    end = 64 + GRAPH_QUERY_MAX // 4  # the widest graph step's padding tokens in 4-slot blocks
+    assert runner.graphs.scratch == list(range(64, end))
     for engine in (eager, llm):
         engine.generate(PROMPTS[:3], greedy(6), use_tqdm=False)  # 3 sequences padded to 4
     owned = torch.arange(64 * 4)
@@ -76,7 +116,7 @@ def test_padding_rows_write_only_scratch_blocks(tiny_llama_dir):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     (batch, q, _), graph = next(iter(runner.graphs.graphs.items()))
     assert (batch, q) == (4, 1) and len(runner.graphs.graphs) == 1
-    assert all(64 * 4 <= s < 68 * 4 for s in graph.meta.slot_mapping[3:].tolist())  # the padding row's slot
+    assert all(64 * 4 <= s < end * 4 for s in graph.meta.slot_mapping[3:].tolist())  # the padding row's slot
 
 
 def test_graph_forward_has_no_host_sync(tiny_llama_dir, no_host_sync):
@@ -124,17 +164,19 @@ def tiny_dense_deepseek_dir(tmp_path_factory, make_tiny_model):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_latent_attention_steps_replay_graphs(tiny_dense_deepseek_dir, kv_cache_dtype, no_host_sync):
     """DeepSeek's latent attention replays graphs: every row of a graph step is short, so it attends in the absorbed
-    form over the latent cache, as the eager steps do; plain decoding and n-gram verify steps (chains and a tree)
-    give the eager engine's tokens (an FP8 latent cache too), and the forward on a graph's static inputs has no
-    host sync."""
+    form over the latent cache, as the eager steps do; plain decoding and verify steps (n-gram chains and a tree,
+    lookahead's wide trees, which eager steps attend on their own, unabsorbed) give the eager engine's tokens (an FP8
+    latent cache too), and the forward on a graph's static inputs has no host sync."""
     kwargs = dict(model=str(tiny_dense_deepseek_dir), max_model_len=256, block_size=4, kv_cache_dtype=kv_cache_dtype)
-    for spec in (None, {**NGRAM, "num_speculative_tokens": 4, "num_branches": 2}):
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 4, "num_branches": 2}, WIDE):
         eager = LLM(speculative_config=spec, **kwargs)
         llm = LLM(enforce_eager=False, speculative_config=spec, **kwargs)
-        want = token_ids(eager.generate(PROMPTS[:5], greedy(8), use_tqdm=False))
-        assert token_ids(llm.generate(PROMPTS[:5], greedy(8), use_tqdm=False)) == want
+        params = greedy(24 if spec is WIDE else 8)  # (lookahead's pool fills as it goes)
+        want = token_ids(eager.generate(PROMPTS[:5], params, use_tqdm=False))
+        assert token_ids(llm.generate(PROMPTS[:5], params, use_tqdm=False)) == want
         shapes = graphs_of(llm).graphs
         assert any(b == 8 for b, _, _ in shapes) and (spec is None or any(q > 1 for _, q, _ in shapes)), list(shapes)
+        assert spec is not WIDE or any(q == 32 for _, q, _ in shapes), list(shapes)  # wide trees: absorbed too
     key, graph = next(iter(shapes.items()))
     with torch.inference_mode(), no_host_sync():
         llm.engine.executor.worker.model(graph.input_ids, graph.meta)

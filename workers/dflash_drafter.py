@@ -18,10 +18,11 @@ the verified drafts rather than a chain's m - 1 (``SchedulerConfig.worker_block_
 nothing after a step has its context put off (held, as the other hidden-state drafters hold their first pass) until
 it drafts again.
 
-A decode's pass (every request's rows at most ``SHORT_QUERY_MAX``) replays a graph of its own when the target's steps
-do (:class:`DFlashStepGraphs`): each request's rows padded to the graph's, every row through the layers in the fixed
-form :meth:`~specray.models.dflash.DFlashHead.forward_rows` takes (the block's rows a mask, the context features
-scattered into place on the device), the block rows' outputs picked after it; prefill chunks' passes run eagerly.
+A decode's pass (every request's context rows at most ``SHORT_QUERY_MAX``: no prompt's) replays a graph of its own when
+the target's steps do (:class:`DFlashStepGraphs`): each request's rows padded to the graph's, every row through the
+layers in the fixed form :meth:`~specray.models.dflash.DFlashHead.forward_rows` takes (the block's rows a mask, the
+context features scattered into place on the device), the block rows' outputs picked after it; prefill chunks' passes
+run eagerly.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import itertools
 import torch
 
 from specray.contract import StepPlan
-from specray.models.attention import build_attention_metadata
+from specray.models.attention import SHORT_QUERY_MAX, build_attention_metadata
 from specray.models.dflash import DFlashHead, block_ancestors, dflash_aux_layers, load_dflash
 from specray.models.step_graphs import StepGraphs
 from specray.parallel import TPGroup
@@ -113,7 +114,9 @@ class DFlashDrafter(ChoicesTrees, HiddenStateDrafter):
             offset += n + block
         block_tables = [tables[plan.chunks[w.chunk].req_id] for w in work]
         context = head.context(source)  # (the aux layers' rows: see _source)
-        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode=True)
+        # a decode's: each request's context rows the tokens just committed (a prompt's rows: more)
+        decode = all(len(w.tokens) <= SHORT_QUERY_MAX for w in work)
+        shape = None if self.graphs is None else self.graphs.shape(lens, starts, decode)
         if shape is None:
             meta = build_attention_metadata(lens, starts, block_tables, self.block_size, device, ancestors=ancestors)
             ids = torch.tensor(block_ids, dtype=torch.long, device=device)

@@ -67,7 +67,7 @@ from typing import NamedTuple
 import torch
 
 from specray.contract import StepPlan
-from specray.models.attention import build_attention_metadata
+from specray.models.attention import SHORT_QUERY_MAX, build_attention_metadata
 from specray.models.draft_head import DraftHead
 from specray.models.kv_cache import KVCache, allocate_kv_cache
 from specray.models.step_graphs import HeadStepGraphs, StepGraphs, why_eager
@@ -508,7 +508,8 @@ class HiddenStateDrafter(DrawsFromQ):
         tokens, confs, qs = [], [], []
         everyone = list(range(len(work)))
         plain = rope is None and all(embeds is None for embeds in images)
-        shape = self.module_graphs[0].shape(lens, starts, decode=True) if self.module_graphs and plain else None
+        decode = max(lens) <= SHORT_QUERY_MAX  # the tokens just committed (a prompt's rows: more)
+        shape = self.module_graphs[0].shape(lens, starts, decode) if self.module_graphs and plain else None
         meta = None
         if shape is None:
             meta = build_attention_metadata(lens, starts, tables, self.block_size, device)
@@ -629,7 +630,8 @@ class HiddenStateDrafter(DrawsFromQ):
         RoPE ids, :meth:`_rope`): from a graph when the pass has a graph's shape and neither, else eagerly.
         Returns (feedback, normed) [T, H] each."""
         plain = images is None and rope is None
-        shape = None if self.graphs is None or not plain else self.graphs.shape(lens, starts, decode=True)
+        decode = max(lens) <= SHORT_QUERY_MAX  # the tokens just committed, a chain step's row (a prompt's: more)
+        shape = None if self.graphs is None or not plain else self.graphs.shape(lens, starts, decode)
         if shape is None:
             ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long,
                                                                                 device=features.device)

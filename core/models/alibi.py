@@ -9,14 +9,15 @@ query, which the softmax cancels. The distance is taken between RoPE positions, 
 distances.
 
 The bias is additive: each step builds it once per path (the short batch's ``[Bs, Hkv, G*Q, L]`` over its folded query
-rows, an own sequence's over its context), already masked (``-inf`` where the mask says no), and every layer reads it
-as SDPA's float mask, so the layers keep SDPA's kernels and the GQA folding. A sequence attended on its own whose bias
+rows, an own sequence's over its context), already masked (``-inf`` where the mask says no), and every layer reads it as
+SDPA's float mask, so the layers keep SDPA's kernels and the GQA folding. A sequence attended on its own whose bias
 would pass :data:`BIAS_ELEMENTS` values (a long prefill chunk: heads x rows x context) attends by blocks of rows, each
-block's bias built in each layer, so its memory stays bounded; the short batch's is not split: its rows are few (at
-most ``SHORT_QUERY_MAX``), so it holds heads x rows x 2 bytes per padded context slot, against the K/V's layers x 2 x
-KV heads x head_dim x 2 bytes per cached token (BLOOM-7B1, 8 rows: 512 B against 480 KB). A graph step's bias is one more of its
-static inputs, rebuilt from each step's metadata as its masks are. On a GPU a kernel that takes the slopes
-(flash-attention's ``alibi_slopes``) would not materialise the bias: not done here; never run on a GPU.
+block's bias built in each layer, so its memory stays bounded; the short batch's is not split: its rows are few (at most
+``SHORT_QUERY_MAX`` a sequence, a graph step's ``step_graphs.GRAPH_QUERY_MAX``), so it holds heads x rows x 2 bytes per
+padded context slot, against the K/V's layers x 2 x KV heads x head_dim x 2 bytes per cached token (BLOOM-7B1, 8 rows:
+512 B against 480 KB). A graph step's bias is one more of its static inputs, rebuilt from each step's metadata as its
+masks are. On a GPU a kernel that takes the slopes (flash-attention's ``alibi_slopes``) would not materialise the bias:
+not done here; never run on a GPU.
 """
 
 from __future__ import annotations

@@ -275,11 +275,13 @@ def build_attention_metadata(
     ancestors: list[torch.Tensor | None] | None = None,
     min_ctx_blocks: int = 0,
     read_in_place: bool = True,
+    short_max: int | None = None,
 ) -> AttentionMetadata:
     """Plan one forward over a mixed batch (see the module docstring for the semantics). ``positions``: [T] RoPE
     position of every new token (None: its slot index); ``ancestors``: per sequence None or a [q, q] bool mask
     among its new tokens. For a step of fixed shapes (a CUDA graph's): ``min_ctx_blocks`` pads the short path's
-    context to at least that many blocks, and ``read_in_place=False`` keeps every short query on the short path."""
+    context to at least that many blocks, ``read_in_place=False`` keeps every short query on the short path, and
+    ``short_max`` is the most new tokens of a short query (None: ``SHORT_QUERY_MAX``; a graph's rows: more)."""
     _validate(query_lens, start_positions, block_tables, block_size, positions, ancestors)
     slot_index = [p for q_len, start in zip(query_lens, start_positions) for p in range(start, start + q_len)]
     slots: list[int] = []
@@ -297,7 +299,7 @@ def build_attention_metadata(
     if ancestors is not None and all(a is None for a in ancestors):
         ancestors = None
 
-    short_ids = [i for i, q in enumerate(query_lens) if q <= SHORT_QUERY_MAX]
+    short_ids = [i for i, q in enumerate(query_lens) if q <= (SHORT_QUERY_MAX if short_max is None else short_max)]
     if short_ids and read_in_place and cpu_kernels.reads_in_place(device, [context_lens[i] for i in short_ids]):
         short_ids = []
     own_ids = sorted(set(range(len(query_lens))) - set(short_ids))

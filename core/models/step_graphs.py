@@ -23,8 +23,8 @@ and replays graphs of its own (keyed by the shape and "tree"): the layer runs th
 graphs were captured on an H200 (the suite's tests); trees' are checked on CPU only.
 
 Which steps qualify (the rest run eagerly): decode steps, every sequence bringing its last token and its drafts
-(at most ``SHORT_QUERY_MAX`` tokens), as a chain or a token tree (a tree's positions and ancestor masks are data the
-graph reads: its static positions and masks), over paged or latent attention (DeepSeek's: a graph step's rows are
+(at most ``GRAPH_QUERY_MAX`` tokens, and at most ``GRAPH_ROWS_MAX`` rows in all once padded), as a chain or a token
+tree (a tree's positions and ancestor masks are data the graph reads: its static positions and masks), over paged or latent attention (DeepSeek's: a graph step's rows are
 all short, so they attend in the absorbed form); experts take their sync-free grouped path
 (:func:`~specray.models.moe.sync_free_experts`, on in every forward here) where it has no host sync (on CUDA: bf16 on
 compute capability 9.x or 10.x, never run on a GPU yet; :meth:`~specray.models.moe.SparseMoE.graph_blocker`); one
@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from specray.models.attention import SHORT_QUERY_MAX, AttentionMetadata, build_attention_metadata
+from specray.models.attention import AttentionMetadata, build_attention_metadata
 from specray.models.gated_deltanet import RecurrentGraphBatch
 from specray.models.moe import sync_free_experts
 
@@ -51,6 +51,12 @@ logger = logging.getLogger(__name__)
 # one capture at a time in a process: capturing synchronizes the device and empties the allocator's cache, which
 # another thread's capture must not see (a drafter's graphs and the target's, in pipelined or async steps)
 _CAPTURE_LOCK = threading.Lock()
+# the most tokens of one sequence a graph step pads to (a wide token tree's: Medusa's 63 nodes and the sampled token,
+# EAGLE-2's 60 tokens, lookahead decoding's window and n-grams), past the eager path's short queries
+# (attention.SHORT_QUERY_MAX), and the most rows of a graph step once padded (batch x tokens): larger steps run
+# eagerly, as prefills do, so the graphs' shared pool never holds more rows' activations than that
+GRAPH_QUERY_MAX = 128
+GRAPH_ROWS_MAX = 8192
 
 
 def graphs_wanted(enforce_eager: bool | None, device: torch.device) -> bool:
@@ -125,19 +131,21 @@ class StepGraphs:
 
     @staticmethod
     def scratch_blocks_needed(block_size: int) -> int:
-        return -(-SHORT_QUERY_MAX // block_size)
+        return -(-GRAPH_QUERY_MAX // block_size)
 
     def shape(self, query_lens: list[int], start_positions: list[int], decode: bool,
               min_rows: int = 1) -> StepShape | None:
-        """The padded shape of a step, or None when it runs eagerly. ``decode``: every sequence brings its last
-        token and its drafts, no prompt (prefills, of every length, stay eager, as in vLLM). ``min_rows``: the
-        fewest rows per sequence (a hybrid model's replays of accepted drafts take as many rows of its fixed-shape
-        recurrence as the step has: one more than the most replays)."""
-        q = _bucket(max(*query_lens, min_rows))  # a power of two, as SHORT_QUERY_MAX is: fewer shapes as K varies
-        if not decode or q > SHORT_QUERY_MAX:
+        """The padded shape of a step, or None when it runs eagerly. ``decode``: every sequence brings its last token
+        and its drafts (a head's pass: the tokens just committed, a tree level's nodes), no prompt (prefills, of every
+        length, stay eager, as in vLLM; a drafter's pass over at most ``SHORT_QUERY_MAX`` tokens of each request counts
+        as a decode's, prompt or not). ``min_rows``: the fewest rows per sequence (a hybrid model's replays of accepted
+        drafts take as many rows of its fixed-shape recurrence as the step has: one more than the most replays)."""
+        q = _bucket(max(*query_lens, min_rows))  # a power of two, as GRAPH_QUERY_MAX is: fewer shapes as K varies
+        batch = _bucket(len(query_lens))
+        if not decode or q > GRAPH_QUERY_MAX or batch * q > GRAPH_ROWS_MAX:
             return None
         blocks = max(-(-(s + q) // self.block_size) for s in start_positions)
-        return StepShape(_bucket(len(query_lens)), q, _bucket(blocks))
+        return StepShape(batch, q, _bucket(blocks))
 
     def run(self, shape: StepShape, token_ids: list[int] | torch.Tensor, query_lens: list[int],
             start_positions: list[int], block_tables: list[list[int]], inputs: tuple[torch.Tensor, ...] = (),
@@ -169,7 +177,7 @@ class StepGraphs:
             [q] * shape.batch, start_positions + [0] * pads,
             [table + self.scratch for table in block_tables] + [self.scratch] * pads, self.block_size,
             self.device, positions=positions, ancestors=ancestors, min_ctx_blocks=shape.ctx_blocks,
-            read_in_place=False)
+            read_in_place=False, short_max=GRAPH_QUERY_MAX)
         meta.recurrent = recurrent
         tags = ()  # graphs apart from the shape's plain one: more static inputs, or another form of a layer
         if rope_positions is not None:
@@ -215,7 +223,7 @@ class StepGraphs:
         short = meta.short
         assert short is not None and short.token_index is None and not meta.own, "every sequence short, q rows each"
         return replace(meta, positions=meta.positions.clone(), slot_mapping=meta.slot_mapping.clone(),
-                       max_position=self.max_position - 1 + SHORT_QUERY_MAX,
+                       max_position=self.max_position - 1 + GRAPH_QUERY_MAX,
                        _masks={}, _builders={},
                        short=replace(short, block_index=short.block_index.clone(),
                                      query_positions=short.query_positions.clone()),
@@ -379,7 +387,7 @@ class HeadStepGraphs(StepGraphs):
     the drafts are picked from (``run`` returns them as (feedback, [normed])). A tree's levels (EAGLE-2's, a static
     tree's: one pass over every node so far) replay the same graphs, their positions and ancestor masks loaded as
     data, unless the head's trees take the host's help (``graph_trees`` False: DeepSeek-V4's MTP block). Passes over
-    more than ``SHORT_QUERY_MAX`` tokens of one request (a prompt's, a tree's of more nodes) run eagerly."""
+    more than ``GRAPH_QUERY_MAX`` tokens of one request (a long prompt's) run eagerly."""
 
     def __init__(self, head: torch.nn.Module, block_size: int, scratch_blocks: list[int], device: torch.device,
                  max_position: int):
