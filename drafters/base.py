@@ -117,6 +117,9 @@ class DrafterContext:
     # the draft model's config (specray.models.plain_config.PlainConfig) as the engine's process read it, its
     # tokenizer already checked against the target's there (``prepare``); None: the drafter reads and checks
     draft_model_config: object | None = None
+    # the draft model's tokenizer is not the target's: its drafts are translated through text (draft_model's
+    # ``prepare`` decides it where the target's tokenizer is at hand)
+    translate_drafts: bool = False
     prepared: bool = False  # the drafter class's ``prepare`` ran on it (:func:`prepared`)
     # the engine caches prefixes (``enable_prefix_caching``): a drafter with a KV cache of its own may too
     enable_prefix_caching: bool = False

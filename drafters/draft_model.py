@@ -1,4 +1,5 @@
-"""A separate, smaller draft model with the target's tokenizer.
+"""A separate, smaller draft model, with the target's tokenizer or another one (its drafts then translated through
+text: :mod:`specray.drafters.vocab_translation`).
 
 It keeps its own paged KV cache in step with each request's history: every time it is asked, it finds the
 longest prefix of the request's tokens that its cache already holds (the accepted drafts survive, rejected ones
@@ -29,7 +30,9 @@ import torch
 
 from specray.config import QUANTIZATIONS, SpeculativeConfig
 from specray.drafters.base import DraftRequest, DrafterContext, Proposal
+from specray.drafters.ngram import common_prefix
 from specray.drafters.registry import options_of
+from specray.drafters.vocab_translation import VocabTranslator, same_vocabulary, translatable
 from specray.models.attention import SHORT_QUERY_MAX, build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.layers import check_heads_split, set_max_model_len
@@ -49,7 +52,8 @@ logger = logging.getLogger(__name__)
 class DraftModelOptions:
     """``speculative_config`` keys of ``method="draft_model"`` (vLLM's names)."""
 
-    model: str | None = None  # required: a smaller model with the target's tokenizer
+    # required: a smaller model, best with the target's tokenizer (another one's drafts are translated through text)
+    model: str | None = None
     draft_tensor_parallel_size: int = 1  # ranks its weights are split over (Ray actors of their own)
     # PARD (vLLM's name): all K drafts from one forward, the history followed by K - 1 copies of the checkpoint's
     # ``pard_token`` (a model trained for it: amd/PARD-*), draft i + 1 read at the i-th of them
@@ -85,15 +89,21 @@ class _DraftState:
     grammar_tokens: list[int] = field(default_factory=list)  # the output tokens it has read
 
 
-def check_same_tokenizer(target, draft, target_name: str, draft_name: str) -> None:
-    if target is None or draft is None:
-        return
-    if target.get_vocab() != draft.get_vocab():
-        raise ValueError(
-            f"speculative_config.model={draft_name!r} uses a different tokenizer than the target {target_name!r} "
-            f"({len(draft.get_vocab())} vs {len(target.get_vocab())} tokens): a draft model must share the "
-            "target's vocabulary; pick a smaller model of the same family"
-        )
+def translates(target, draft, target_name: str, draft_name: str) -> bool:
+    """Whether the draft model's tokenizer is another than the target's (its drafts then go through text); a
+    ValueError naming the fix where one of the two cannot be translated to or from."""
+    if target is None or draft is None or same_vocabulary(target, draft):
+        return False
+    for tokenizer, name in ((target, f"the target {target_name!r}"), (draft, f"the draft {draft_name!r}")):
+        why = translatable(tokenizer)
+        if why is not None:
+            raise ValueError(f"speculative_config.model={draft_name!r} uses another tokenizer than the target "
+                             f"{target_name!r}, so its drafts would be translated through text, but the tokenizer "
+                             f"of {name} cannot be: {why}; pick a draft model with the target's tokenizer")
+    logger.info("the draft model %s has another tokenizer than the target %s: greedy requests' drafts are translated "
+                "through text, sampled requests' drawn among the tokens both vocabularies hold", draft_name,
+                target_name)
+    return True
 
 
 def pard_token(config, path: str) -> int:
@@ -111,14 +121,6 @@ def pard_token(config, path: str) -> int:
     return token
 
 
-def _common_prefix(a: list[int], b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class DraftModelDrafter:
     @classmethod
     def prepare(cls, spec: SpeculativeConfig, ctx: DrafterContext) -> DrafterContext:
@@ -126,20 +128,25 @@ class DraftModelDrafter:
         ``draft_tensor_parallel_size`` splits its heads."""
         options = options_of(spec)
         path = options.model
-        check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
+        translate = translates(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
         config = read_config(path)
         set_max_model_len(config, ctx.max_model_len)  # the target's (a Phi-3 draft picks its LongRoPE factors by it)
         check_heads_split(config, options.draft_tensor_parallel_size, "speculative_config.draft_tensor_parallel_size",
                           "the draft model's")
         if options.parallel_drafting:
             pard_token(config, path)  # checked before any actor starts
-        return replace(ctx, draft_model_config=config)
+        return replace(ctx, draft_model_config=config, translate_drafts=translate)
 
     def __init__(self, spec: SpeculativeConfig, ctx: DrafterContext):
         self.device = torch.device(ctx.device)
         path = options_of(spec).model
+        translate = ctx.translate_drafts
         if ctx.draft_model_config is None:
-            check_same_tokenizer(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
+            translate = translates(ctx.target_tokenizer, load_tokenizer(path), ctx.target_model, path)
+        # another tokenizer's: each request's history in the draft's tokens, and its drafts in the target's
+        self.translator = VocabTranslator(ctx.target_tokenizer or load_tokenizer(ctx.target_model),
+                                          load_tokenizer(path)) if translate else None
+        self._twins: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (see _twin_tensors)
         tp = ctx.tp_group or TPGroup.single()  # every rank runs this same drafter on its shard, in lockstep
         quantization = options_of(spec).quantization
         check_quantization(quantization, ctx.draft_model_config or read_config(path), path,
@@ -148,13 +155,16 @@ class DraftModelDrafter:
                                 config=ctx.draft_model_config, quantization=quantization)
         self.pard = pard_token(ctx.draft_model_config or read_config(path), path) \
             if options_of(spec).parallel_drafting else None
-        if self.model.vocab_size > ctx.vocab_size:
+        if self.translator is None and self.model.vocab_size > ctx.vocab_size:
             raise ValueError(f"speculative_config.model={path!r} has vocab_size={self.model.vocab_size}, "
                              f"larger than the target's {ctx.vocab_size}; the draft must share the target's vocabulary")
-        self.vocab_size = ctx.vocab_size
-        self.max_len = min(ctx.max_model_len, getattr(self.model, "max_position_embeddings", ctx.max_model_len))
+        # the vocabulary its q lives in (the target's, unless translated)
+        self.vocab_size = ctx.vocab_size if self.translator is None else self.model.vocab_size
+        # a translated history may take more of the draft's tokens than the target's: room for twice as many
+        max_len = ctx.max_model_len * (1 if self.translator is None else 2)
+        self.max_len = min(max_len, getattr(self.model, "max_position_embeddings", max_len))
         self.block_size = ctx.block_size
-        per_seq = -(-(ctx.max_model_len + spec.num_speculative_tokens) // self.block_size) + 1
+        per_seq = -(-(max_len + spec.num_speculative_tokens) // self.block_size) + 1
         num_blocks = ctx.max_num_seqs * per_seq
         self.graphs = self._graphs(ctx, tp, num_blocks)
         scratch = len(self.graphs.scratch) if self.graphs is not None else 0
@@ -186,6 +196,8 @@ class DraftModelDrafter:
             state = self.states.pop(rid, None)
             if state is not None:
                 self.blocks.free(state)
+            if self.translator is not None:
+                self.translator.finish(rid)
 
     def shutdown(self) -> None:
         """Free the draft model's KV cache and every request's state."""
@@ -194,14 +206,50 @@ class DraftModelDrafter:
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
         proposals = [Proposal([]) for _ in batch]
-        active = [i for i, d in enumerate(batch) if d.num_speculative_tokens > 0 and self._prepare(d)]
+        own = batch if self.translator is None else [self._translated(d) for d in batch]
+        active = [i for i, d in enumerate(own) if d.num_speculative_tokens > 0 and d.token_ids and self._prepare(d)]
         if not active:
             return proposals
-        reqs = [batch[i] for i in active]
+        reqs = [own[i] for i in active]
         drafts, probs = self._draft(reqs)
-        for i, d, tokens, q in zip(active, reqs, drafts, probs):
+        for i, tokens, q in zip(active, drafts, probs):
+            if self.translator is not None:
+                tokens, q = self._to_target(batch[i], tokens, q)
             proposals[i] = Proposal(tokens, q)
         return proposals
+
+    def _to_target(self, d: DraftRequest, tokens: list[int], q: torch.Tensor | None
+                   ) -> tuple[list[int], torch.Tensor | None]:
+        """Translated drafts in the target's vocabulary. Drawn ones (a sampled request's, among the tokens both
+        vocabularies hold) token for token, with q carried over to the target's ids (rejection sampling stays
+        exact: q is what they were drawn from); greedy ones through their text (the target's tokens of it, no q:
+        verified as an n-gram's)."""
+        if q is None or not self._draws_twins():
+            return self.translator.to_target(d.req_id, tokens, d.token_ids)[: d.num_speculative_tokens], None
+        _, draft_ids, target_ids = self._twin_tensors()
+        moved = q.new_zeros(q.shape[0], self._ctx.vocab_size)
+        moved[:, target_ids] = q[:, draft_ids]
+        return [self.translator.twins[t] for t in tokens], moved
+
+    def _draws_twins(self) -> bool:
+        """A translated draft model's sampled requests draw among the tokens both vocabularies hold (when any)."""
+        return self.translator is not None and self._twin_tensors()[1].numel() > 0
+
+    def _twin_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the draft ids that have no twin in the target's vocabulary as a mask [V_draft], the twins' draft ids, their
+        target ids), on the device."""
+        if self._twins is None:  # (ids past either model's logits never drawn, never proposed)
+            pairs = [(d, t) for d, t in self.translator.twins.items()
+                     if d < self.vocab_size and t < self._ctx.vocab_size]
+            draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)
+            lonely = torch.ones(self.vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, False)
+            self._twins = (lonely.to(self.device), draft_ids.to(self.device),
+                           torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device))
+        return self._twins
+
+    def _translated(self, d: DraftRequest) -> DraftRequest:
+        """``d`` in the draft's tokens; its penalties and grammar name the target's ids, so it drafts without them."""
+        return replace(d, token_ids=self.translator.to_draft(d.req_id, d.token_ids), num_prompt_tokens=0)
 
     # ---- internals ------------------------------------------------------------------------------------
     def _prepare(self, d: DraftRequest) -> bool:
@@ -214,7 +262,7 @@ class DraftModelDrafter:
             if self.blocks.enable_caching:
                 hit = self.blocks.take_cached(state, d.token_ids, len(d.token_ids) - 1, d.sampling_params.cache_salt)
                 state.cached.extend(d.token_ids[:hit])
-        keep = min(_common_prefix(state.cached, d.token_ids), len(d.token_ids) - 1)
+        keep = min(common_prefix(state.cached, d.token_ids), len(d.token_ids) - 1)
         del state.cached[keep:]
         self.blocks.rewind(state, keep)
         slots = len(d.token_ids) + d.num_speculative_tokens - 1
@@ -264,7 +312,7 @@ class DraftModelDrafter:
                                                                     [d.num_speculative_tokens for d in reqs])
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        grammars = [self._grammar(d, s) for d, s in zip(reqs, states)]
+        grammars = [None if self.translator is not None else self._grammar(d, s) for d, s in zip(reqs, states)]
         read = [0] * len(reqs)  # drafts each grammar read (rolled back at the end)
         ended = [False] * len(reqs)  # the grammar is complete: nothing more to draft
         live = list(range(len(reqs)))
@@ -277,10 +325,14 @@ class DraftModelDrafter:
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
             for j, i in enumerate(live):
                 d = reqs[i]
-                if d.sampling_params.penalized:
+                if d.sampling_params.penalized and self.translator is None:
                     history = list(d.token_ids) + drafts[i]
                     penalize(logits, [j], d.sampling_params, history[: d.num_prompt_tokens],
                              history[d.num_prompt_tokens:], [], [])
+            drawn = [j for j, i in enumerate(live) if not reqs[i].sampling_params.greedy]
+            if drawn and self._draws_twins():  # a translated draft's drawn among the twins only
+                index = torch.tensor(drawn, device=self.device)
+                logits[index] = logits[index].masked_fill(self._twin_tensors()[0], float("-inf"))
             masked = [(j, grammars[i]) for j, i in enumerate(live) if grammars[i] is not None]
             if masked:  # after the penalties, as the target's rows
                 words = torch.from_numpy(np.stack([g.mask_row() for _, g in masked])).to(self.device)
@@ -349,8 +401,8 @@ class DraftModelDrafter:
         return self.model(input_ids, meta)  # [T, H]
 
     def _sample(self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[_DraftState]):
-        """Draw each request's next draft from q (``logits`` over the target's vocabulary); q only when some
-        request samples."""
+        """Draw each request's next draft from q (``logits`` over the vocabulary q lives in: the target's, or a
+        translated draft model's own); q only when some request samples."""
         batch = SamplingBatch.build([d.sampling_params for d in reqs], [s.generator for s in states], self.device)
         if batch.all_greedy:
             return logits.argmax(dim=-1).tolist(), None

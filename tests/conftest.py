@@ -64,6 +64,7 @@ _register_helper("image_checks")  # the image tests' logits with images' rows, t
 _register_helper("audio_checks")  # the audio tests' synthetic audios, weights, encoders and processors
 _register_helper("hybrid_models")  # tiny hybrid models (Qwen3.5's, Mamba-2's) and their engine prompts
 _register_helper("openai_helpers")  # HTTP helpers and request parts of the OpenAI server's tests
+_register_helper("vocabularies")  # a model folder's copy over a permuted vocabulary (another tokenizer, same model)
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -1300,6 +1301,40 @@ def tiny_llama4_dir(tmp_path_factory) -> Path:
                             head_dim=16, no_rope_layers=[1, 1, 1, 0, 1, 1], attention_chunk_size=16,
                             interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1,
                             intermediate_size=32, intermediate_size_mlp=64, floor_scale=8, tie_word_embeddings=True)
+
+
+def build_char_model(path: Path, seed: int = 2) -> Path:
+    """A tiny random Llama over a tokenizer of single characters (printable ASCII, a newline, ChatML's specials):
+    every text has one encoding, so a history's tokens come back from its text as they were, however the random
+    model strings them (a byte-level vocabulary would let it emit bytes that make no text)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(specials)  # (matched in text: every token comes back from its text)
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    build_tiny_model(path, "llama", seed=seed, tie_word_embeddings=True, vocab_size=len(vocab), initializer_range=0.4,
+                     eos_token_id=hf.eos_token_id, pad_token_id=hf.pad_token_id)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_char_dir(tmp_path_factory) -> Path:
+    return build_char_model(tmp_path_factory.mktemp("tiny_char_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_char_permuted_dir(tiny_char_dir, tmp_path_factory) -> Path:
+    """``tiny_char_dir``'s model over a permuted vocabulary: a draft model of another tokenizer that predicts
+    exactly what the target does."""
+    return sys.modules["specray_test_vocabularies"].permuted_copy(tiny_char_dir,
+                                                                  tmp_path_factory.mktemp("tiny_char_llama_permuted"))
 
 
 @pytest.fixture(scope="session")

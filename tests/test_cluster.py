@@ -1070,7 +1070,7 @@ def test_draft_model_over_two_ranks_drafts_what_one_rank_drafts(tiny_llama_dir, 
     assert stats["pard", 2] == stats["pard", 1] and stats["pard", 2][3] == stats["pard", 2][0] > 0, stats
 
 
-def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, make_tiny_model, monkeypatch):
+def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, monkeypatch):
     """Each a ValueError naming the option, raised in the engine's process before any actor starts."""
     from specray.engine import builder
     from specray.engine.builder import check_engine_args
@@ -1090,16 +1090,27 @@ def test_draft_tp_errors_are_clear(tiny_llama_dir, tiny_draft_dir, tmp_path, mak
     with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=3 does not split"):  # 4 heads, 3 ranks
         engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
                    speculative_config=dict(spec, draft_tensor_parallel_size=3))
-    # DraftModelDrafter.prepare
-    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=400)
+
+
+def test_a_draft_model_of_another_tokenizer_drafts_through_text_in_its_actor(tiny_char_dir, tiny_char_permuted_dir):
+    """The target's own weights over a permuted vocabulary (another tokenizer): the engine's process decides the
+    translation (``DraftModelDrafter.prepare``), the drafter actor translates each history and its drafts; greedy
+    output is plain greedy output, every draft kept."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(other)
-    tok.add_tokens(["<extra_token_a>"])
-    tok.save_pretrained(other)
-    with pytest.raises(ValueError, match="tokenizer"):
-        engine_for(tiny_llama_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
-                   speculative_config={"method": "draft_model", "model": str(other)})
+    tok = AutoTokenizer.from_pretrained(tiny_char_dir)
+    prompts = [tok.encode(p) for p in ("def add(a, b):", "The quick brown fox", "for i in range(10):", "x")]
+    references = run_to_end(engine_for(tiny_char_dir), prompts)
+    spec = {"method": "draft_model", "model": str(tiny_char_permuted_dir), "num_speculative_tokens": 3,
+            "adaptive": False}
+    engine = engine_for(tiny_char_dir, distributed_executor_backend="ray", ray_placement=HALF_CPU,
+                        speculative_config=spec)
+    try:
+        assert engine.drafter.ctx.translate_drafts
+        assert run_to_end(engine, prompts) == references
+        assert 0 < engine.spec_stats.accepted_tokens == engine.spec_stats.draft_tokens, engine.spec_stats
+    finally:
+        engine.shutdown()
 
 
 # ---- the engine's drafter hooks through a drafter actor ----------------------------------------------------------

@@ -583,15 +583,25 @@ def test_abort_frees_blocks(plain):
     assert free_blocks(plain) == start and not engine.has_unfinished_requests()
 
 
-def test_draft_model_with_other_vocabulary_is_rejected(tiny_llama_dir, tmp_path, make_tiny_model):
+def test_draft_model_of_another_vocabulary_is_translated_or_refused(tiny_llama_dir, tmp_path, make_tiny_model,
+                                                                    monkeypatch):
+    """A draft model whose tokenizer is not the target's drafts through the translation
+    (tests/test_vocab_translation.py); where a tokenizer cannot be translated, a ValueError says why and the fix."""
     from transformers import AutoTokenizer
+
+    from specray.drafters import draft_model
 
     other = make_tiny_model(tmp_path / "other", "llama", vocab_size=400)
     tok = AutoTokenizer.from_pretrained(other)
     tok.add_tokens(["<extra_token_a>", "<extra_token_b>"])
     tok.save_pretrained(other)
-    with pytest.raises(ValueError, match="tokenizer"):
-        LLM(model=str(tiny_llama_dir), speculative_config={"method": "draft_model", "model": str(other)})
+    spec = {"method": "draft_model", "model": str(other)}
+    assert LLM(model=str(tiny_llama_dir), speculative_config=spec).engine.drafter.translator is not None
+    monkeypatch.setattr(draft_model, "translatable", lambda tokenizer: "no backend (a stand-in)")
+    with pytest.raises(ValueError, match=r"uses another tokenizer than the target .* so its drafts would be translated "
+                                         r"through text, but the tokenizer of the target .* cannot be: no backend \(a "
+                                         r"stand-in\); pick a draft model with the target's tokenizer"):
+        LLM(model=str(tiny_llama_dir), speculative_config=spec)
 
 
 def test_spec_stats_shape(tiny_llama_dir):
