@@ -242,7 +242,8 @@ def test_head_graph_padding_writes_only_scratch_blocks_and_loads_without_a_host_
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert any(q > 1 for _, q, _ in drafter.graphs.graphs)  # first passes from graphs too
     key, graph = next((k, g) for k, g in drafter.graphs.graphs.items() if k[:2] == (4, 1))  # a chain step's
-    assert all(64 * 4 <= s < (64 + GRAPH_QUERY_MAX // 4) * 4 for s in graph.meta.slot_mapping[3:].tolist())  # the padding sequence's slot
+    end = (64 + GRAPH_QUERY_MAX // 4) * 4
+    assert all(64 * 4 <= s < end for s in graph.meta.slot_mapping[3:].tolist())  # the padding sequence's slot
     scratch = drafter.graphs.scratch
     padded = build_attention_metadata([1] * 4, [5, 6, 7, 0], [[0, 1] + scratch, [2, 3] + scratch, [4, 5] + scratch,
                                                              scratch], 4, drafter.graphs.device,
