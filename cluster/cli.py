@@ -22,7 +22,7 @@ logger = logging.getLogger("specray.cli")
 
 _SPEC_METHOD_HELP = ("speculation method (default: none, plain decoding): ngram, draft_model, suffix, ngram_simple, "
                      "ngram_map_k, ngram_map_k4v, ngram_mod, ngram_cache, prediction, lookahead, eagle3, eagle, mtp, "
-                     "medusa, redrafter, dflash, gemma4_assistant, or a drafter class of your own as "
+                     "medusa, redrafter, mlp_speculator, dflash, gemma4_assistant, or a drafter class of your own as "
                      "'package.module:Class' (docs/user_drafter.md); its options go in --speculative-config")
 
 
@@ -52,8 +52,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default: the "
                    "method's, e.g. lookahead's whole tree; else 5)")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
-                   "checkpoint for eagle3 / eagle / medusa / redrafter / dflash / gemma4_assistant (eagle3 on the "
-                   "default model: the bundled head)")
+                   "checkpoint for eagle3 / eagle / medusa / redrafter / mlp_speculator / dflash / gemma4_assistant "
+                   "(eagle3 on the default model: the bundled head)")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest match (default 2)")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest match (default 4)")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --num-spec-tokens tokens")
@@ -193,8 +193,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default: the "
                    "method's, e.g. lookahead's whole tree; else 5)")
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
-                   "checkpoint for eagle3 / eagle / medusa / redrafter / dflash / gemma4_assistant (eagle3 on the "
-                   "default model: the bundled head)")
+                   "checkpoint for eagle3 / eagle / medusa / redrafter / mlp_speculator / dflash / gemma4_assistant "
+                   "(eagle3 on the default model: the bundled head)")
     _add_passthrough_args(p)
     _add_prefix_caching_arg(p, on_by_default=True)  # as in vLLM, the Serve config and k8s/
     p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],

@@ -391,6 +391,49 @@ class ReDrafterOptions(HeadOptions):
 
 
 @dataclass
+class MLPSpeculatorOptions(HeadOptions):
+    """``speculative_config`` keys of ``method="mlp_speculator"`` (vLLM's): IBM's MLP speculator checkpoint, whose
+    stages draft a chain of up to its ``n_predict`` tokens (the default draft count)."""
+
+    # the speculator's checkpoint folder or hub id (e.g. ibm-ai-platform/llama3-8b-accelerator)
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model={self.model!r}: method='mlp_speculator' needs the "
+                             "speculator's checkpoint folder (or hub id), e.g. ibm-ai-platform/llama3-8b-accelerator")
+
+    @property
+    def default_draft_count(self) -> int:
+        """``num_speculative_tokens`` when it is not given: one draft per stage."""
+        return mlp_speculator_stages(self.model)
+
+    def check_draft_count(self, num_speculative_tokens: int) -> None:
+        stages = mlp_speculator_stages(self.model)
+        if num_speculative_tokens > stages:
+            raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}: the MLP "
+                             f"speculator {self.model!r} has {stages} stages (n_predict), one draft each; give "
+                             f"num_speculative_tokens <= {stages} (or leave it out)")
+
+    def writes_kv(self) -> bool:
+        return False  # no attention in the stages
+
+
+def mlp_speculator_stages(path: str) -> int:
+    """An MLP speculator checkpoint's stages (``n_predict`` of its config.json, checked)."""
+    from pathlib import Path
+
+    from specray.models.loader import resolve_model
+    from specray.models.mlp_speculator import read_mlp_speculator_config
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():  # a hub id: its config alone
+        folder = Path(resolve_model(path, weights=False).path)
+    return int(read_mlp_speculator_config(folder)["n_predict"])
+
+
+@dataclass
 class Gemma4AssistantOptions(HeadOptions):
     """``speculative_config`` keys of ``method="gemma4_assistant"``: Gemma 4's assistant checkpoint (its MTP drafter,
     ``Gemma4AssistantForCausalLM``), which drafts chains from the target's hidden state and K/V on one rank."""

@@ -71,6 +71,9 @@ _DRAFTERS = {
                            "specray.drafters.hidden_state:MedusaOptions", in_worker=True),
     "redrafter": DrafterEntry("specray.workers.redrafter_drafter:ReDrafterDrafter",
                               "specray.drafters.hidden_state:ReDrafterOptions", in_worker=True),
+    # IBM's MLP speculator (vLLM's mlp_speculator): a chain of MLP stages over the target's last hidden state
+    "mlp_speculator": DrafterEntry("specray.workers.mlp_speculator_drafter:MLPSpeculatorDrafter",
+                                   "specray.drafters.hidden_state:MLPSpeculatorOptions", in_worker=True),
     # DFlash: a block of drafts in one pass of a small model reading the target's hidden states
     "dflash": DrafterEntry("specray.workers.dflash_drafter:DFlashDrafter",
                            "specray.drafters.hidden_state:DFlashOptions", in_worker=True),

@@ -261,6 +261,39 @@ def write_medusa_heads(folder: Path, target_dir: Path, num_heads: int = 4, num_l
     return folder
 
 
+def write_mlp_speculator(folder: Path, target_dir: Path, n_predict: int = 3, seed: int = 0, std: float = 0.2,
+                         accepting: bool = False, tie_weights: bool = False, scale_input: bool = False,
+                         inner_dim: int | None = None) -> Path:
+    """A random MLP speculator for the target in ``target_dir``, in IBM's layout. ``accepting``: every stage's
+    embedding and head the target's embedding and its projection zero (inner_dim the target's width), so each stage
+    guesses "the token it read, again", which a tiny random model's runs of repeated tokens often accept."""
+    from safetensors.torch import load_file
+
+    from specray.models.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
+
+    target = json.loads((target_dir / "config.json").read_text())
+    h, v = target["hidden_size"], target["vocab_size"]
+    head = MLPSpeculatorHead(h, h if accepting or inner_dim is None else inner_dim, v, n_predict, tie_weights,
+                             scale_input)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for norm in head.ln:
+            norm.weight.add_(1.0)
+        if accepting:
+            embedding = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+            for k in range(len(head.emb)):
+                head.emb[k].weight.copy_(embedding)
+                head.head[k].weight.copy_(embedding)
+                head.ln[k].weight.fill_(1.0)
+                head.ln[k].bias.zero_()
+            for proj in head.proj:
+                proj.weight.zero_()
+    save_mlp_speculator(head, folder)
+    return folder
+
+
 def write_redrafter(folder: Path, target_dir: Path, seed: int = 0, std: float = 0.2, accepting: bool = False,
                     rnn: bool = True, exit_dim: int | None = None, num_draft_layers: int = 1,
                     gain: float = 8.0) -> Path:

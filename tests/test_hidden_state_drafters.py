@@ -39,7 +39,8 @@ WIDE_TREE = {"dynamic_tree_max_topK": 4, "dynamic_tree_depth": 6, "num_speculati
 # "-static": vLLM's static tree (speculative_token_tree, its Python-literal string): 2 nodes at depth 1, a rank left
 # out at depth 2 (a greedy node's rank is not its place among its siblings), 5 nodes (all verified)
 STATIC = "[(0,), (1,), (0, 0), (0, 2), (0, 0, 0)]"
-METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "mtp-tree", "eagle3-static", "medusa", "redrafter")
+METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "mtp-tree", "eagle3-static", "medusa", "redrafter",
+                           "mlp_speculator")
 # ReDrafter: 3 beams of 3 drafts each, merged into a prefix tree
 BEAMS = {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}
 TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "mtp-tree": TREE["dynamic_tree_max_topK"],
@@ -82,6 +83,10 @@ def heads(target_dir, tmp_path_factory) -> dict[tuple[str, str], Path]:
                                                              exit_dim=24)  # with input_proj
     out["accepting", "redrafter"] = draft_heads.write_redrafter(tmp_path_factory.mktemp("accepting_redrafter"),
                                                                 target_dir, accepting=True)
+    out["random", "mlp_speculator"] = draft_heads.write_mlp_speculator(tmp_path_factory.mktemp("random_mlp"),
+                                                                       target_dir, inner_dim=24)
+    out["accepting", "mlp_speculator"] = draft_heads.write_mlp_speculator(tmp_path_factory.mktemp("accepting_mlp"),
+                                                                          target_dir, accepting=True)
     return out
 
 
@@ -215,8 +220,9 @@ def test_graph_steps_keep_greedy_output(target_dir, heads, plain_outputs, method
     elif method == "mtp3":  # each distinct module's passes from graphs of its own
         modules = llm.engine.executor.worker.runner.drafter.module_graphs
         assert head_graphs is None and len(modules) == 3 and all(g.graphs for g in modules), modules
-    else:  # Medusa's heads, ReDrafter's beam search: a graph per padded batch
-        assert method in ("medusa", "redrafter") and head_graphs.graphs and not any(tree_passes), head_graphs.graphs
+    else:  # Medusa's heads, ReDrafter's beam search, the MLP speculator's chain: a graph per padded batch
+        assert method in ("medusa", "redrafter", "mlp_speculator") and head_graphs.graphs and not any(tree_passes), (
+            head_graphs.graphs)
 
 
 def test_head_graph_padding_writes_only_scratch_blocks_and_loads_without_a_host_sync(target_dir, heads,
@@ -853,6 +859,124 @@ def test_redrafter_sampled_beams_are_drawn_from_q_one_beam_at_a_time(target_dir,
                     torch.testing.assert_close(row, want, atol=1e-5, rtol=1e-4)
             differ += tree.token_ids != searched.token_ids
     assert differ > 0
+
+
+def reference_mlp_stages(folder: Path, context: torch.Tensor, first: int, drawn: list[int] | None = None
+                         ) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    """IBM's MLP speculator written out from its checkpoint's raw tensors (Wertheimer et al.'s formula, one stage at
+    a time, apart from specray.models.mlp_speculator): each stage's argmax, its probability and the stage's
+    distribution, each stage reading the token before (``drawn``: those tokens instead of the argmax)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    raw = {name.removeprefix("speculator."): t.float()
+           for name, t in load_file(str(folder / "model.safetensors")).items()}
+    n, inner = config["n_predict"], config["inner_dim"] or config["emb_dim"]
+
+    def weight(kind: str, k: int, part: str = "weight") -> torch.Tensor:  # a tied stage's: the first written
+        for j in ([k] if not config["tie_weights"] else [k, 0] if kind != "proj" or k == 0 else [k, 1]):
+            if f"{kind}.{j}.{part}" in raw:
+                return raw[f"{kind}.{j}.{part}"]
+        raise KeyError(kind, k)
+
+    ws = 0.5 ** (0.5 / n)
+    we = math.sqrt((1 - ws ** 2) * inner / 2)
+    state = context.float()
+    if config["scale_input"]:
+        state = state / torch.sqrt(state.pow(2).mean() + 1e-6) / math.sqrt(2)
+    token, tokens, probs, dists = first, [], [], []
+    for k in range(n):
+        x = weight("proj", k) @ state + (we / ws) * weight("emb", k)[token]
+        x = x / torch.sqrt(x.pow(2).mean() + 1e-6) * weight("ln", k) + weight("ln", k, "bias")
+        state = torch.nn.functional.gelu(x)
+        p = torch.softmax(weight("head", k) @ state, dim=-1)
+        token = int(p.argmax()) if drawn is None else drawn[k]
+        tokens.append(int(p.argmax()))
+        probs.append(float(p.max()))
+        dists.append(p)
+    return tokens, probs, dists
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_mlp_speculator_chains_equal_its_stages_over_a_dense_recomputation(target_dir, heads, eager):
+    """After every step, each request's chain is the speculator's stages run one after another from the target's
+    hidden state at the last committed position (recomputed densely from scratch) and the token it gave, each draft
+    scored with its probability under its stage; greedy output is plain. The chain eagerly, and from graphs (on CPU
+    their padded static inputs, eagerly)."""
+    folder = heads["accepting", "mlp_speculator"]
+    checked = 0
+    for tokens, drafts, parents, scores, hidden, _ in trees_over_dense_hidden(target_dir, heads, "accepting",
+                                                                              "mlp_speculator", 3, 20, eager):
+        want, probs, _ = reference_mlp_stages(folder, hidden, tokens[-1])
+        assert drafts == want[: len(drafts)] and not parents, (tokens, drafts, parents, want)  # a chain
+        assert scores == pytest.approx(probs[: len(drafts)], rel=1e-4), (scores, probs)
+        checked += 1
+    assert checked >= 10
+
+
+LAYOUTS = {"untied": {}, "tied": {"tie_weights": True}, "scaled-narrow": {"scale_input": True, "inner_dim": 24},
+           "tied-every-stage-prefixed": {"tie_weights": True}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mlp_speculator_checkpoint_layouts_load_as_written(target_dir, tmp_path, layout):
+    """IBM's layouts (separate stages; tied weights: one embedding, norm and head, a projection after the first;
+    scale_input's weightless norm of the target's state; an inner width of its own; a tied checkpoint that writes
+    the shared tensors under every stage's index, names prefixed ``speculator.``) load to the stages the raw tensors
+    give (:func:`reference_mlp_stages`), greedy and drawn alike: a sampled request's chain is drawn stage by stage
+    from q, each draft's q the request's warpers over its stage's logits given the drawn tokens before it."""
+    from safetensors.torch import load_file, save_file
+
+    from specray.contract import ScheduledChunk, StepPlan
+    from specray.models.mlp_speculator import load_mlp_speculator
+    from specray.workers.mlp_speculator_drafter import MLPSpeculatorDrafter
+
+    folder = draft_heads.write_mlp_speculator(tmp_path / layout, target_dir, n_predict=4, seed=3, std=0.5,
+                                              **LAYOUTS[layout])
+    if layout == "tied-every-stage-prefixed":
+        raw = load_file(str(folder / "model.safetensors"))
+        every = {f"speculator.{kind}.{k}.{part}": t.clone() for name, t in raw.items()
+                 for kind, index, part in [name.split(".")] for k in range(4)
+                 if kind != "proj" or (k == 0) == (index == "0")}
+        save_file(every, str(folder / "model.safetensors"))
+    head = load_mlp_speculator(str(folder), load_hf_config(str(target_dir)), torch.float32, "cpu")
+    assert len(head.emb) == (1 if layout.startswith("tied") else 4)
+    drafter = MLPSpeculatorDrafter(head)
+    hidden = torch.randn(2, head.emb_dim, generator=torch.Generator().manual_seed(1))
+    plan = StepPlan(0, chunks=[ScheduledChunk(r, [5], start_pos=3, num_next_drafts=4) for r in "gs"])
+    sp = SamplingParams(temperature=0.9, top_k=20, seed=4)
+    with torch.inference_mode():
+        greedy_chain, sampled_chain = drafter.draft(plan, {}, hidden, [], {0: [7], 1: [7]}, {},
+                                                    {"g": greedy(), "s": sp})
+        want, probs, _ = reference_mlp_stages(folder, hidden[0], 7)
+        assert greedy_chain.token_ids == want and greedy_chain.scores == pytest.approx(probs, rel=1e-4)
+        assert sampled_chain.scores is None and 0 < len(sampled_chain.token_ids) <= 4
+        q = drafter.q_of("s", sampled_chain.token_ids)
+        _, _, dists = reference_mlp_stages(folder, hidden[1], 7, drawn=sampled_chain.token_ids + [0] * 4)
+        batch = SamplingBatch.build([sp], [None], "cpu")
+        for k, token in enumerate(sampled_chain.token_ids):
+            row = logits_to_probs(dists[k].log()[None], batch)[0]
+            torch.testing.assert_close(q[k], row, atol=1e-5, rtol=1e-4)
+            assert row[token] > 0
+
+
+def test_mlp_speculator_settings_are_checked(target_dir, heads, tmp_path):
+    """A draft count past the stages, a checkpoint of another model or type, and no checkpoint: each a ValueError
+    naming the fix, before any worker starts."""
+    folder = heads["random", "mlp_speculator"]
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=4: the MLP speculator .* has 3 stages \(n_predict\)"):
+        LLM(str(target_dir), speculative_config={"method": "mlp_speculator", "model": str(folder),
+                                                 "num_speculative_tokens": 4})
+    with pytest.raises(ValueError, match=r"method='mlp_speculator' needs the speculator's checkpoint"):
+        LLM(str(target_dir), speculative_config={"method": "mlp_speculator"})
+    other = Path(shutil.copytree(folder, tmp_path / "other"))
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "emb_dim": config["emb_dim"] + 8}))
+    with pytest.raises(ValueError, match=r"emb_dim=\d+, vocab_size=\d+ but the target has hidden_size="):
+        LLM(str(target_dir), speculative_config={"method": "mlp_speculator", "model": str(other)})
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "medusa"}))
+    with pytest.raises(ValueError, match=r"model_type='medusa'; an MLP speculator checkpoint .* has 'mlp_speculator'"):
+        LLM(str(target_dir), speculative_config={"method": "mlp_speculator", "model": str(other)})
 
 
 def on_off_policy(engine, pattern: str):

@@ -273,6 +273,40 @@ class DrawsFromQ:
         if finished:
             self.generators.pop(req_id, None)
 
+    def _from_last_rows(self, plan: StepPlan, hidden: torch.Tensor, kept: dict[int, list[int]],
+                        paths: dict[int, list[int]], params: dict[str, SamplingParams] | None, best, drawn
+                        ) -> tuple[list[tuple[int, int]], dict[int, tuple[list, list]], dict[int, torch.Tensor]]:
+        """For the drafters that read one row per request (ReDrafter, the MLP speculator): the target's hidden state
+        whose logits gave the token each request just sampled, and that token (:func:`rows_of_last_tokens`), through
+        ``best(context, first)`` -> (tokens, values) for the greedy requests and ``drawn(context, first, batch)`` ->
+        (tokens, mass, q) for the sampled ones (q [S, rows, V]). Returns (per drafting row, (its chunk index, drafts
+        asked for)), per drafting row its host lists (tokens, values or mass, flattened), and the sampled rows' q;
+        the drafts' one host sync."""
+        found = rows_of_last_tokens(plan, kept, paths)
+        asked = [(i, plan.chunks[i].num_next_drafts) for i, _ in found]
+        if not found:
+            return asked, {}, {}
+        device = hidden.device
+        context = hidden.index_select(0, torch.tensor([row for _, row in found], device=device))
+        last = torch.tensor([kept[i][-1] for i, _ in found], device=device)
+        draw = self._draw(plan, asked, params, device)
+        sampled = [] if draw is None else draw.sampled
+        chosen = sorted(set(range(len(found))) - set(sampled))
+        parts, qs = [], {}
+        if chosen:
+            index = torch.tensor(chosen, device=device)
+            out = best(context.index_select(0, index), last.index_select(0, index))
+            parts.append(torch.stack([t.double() for t in out]).flatten(2))
+        if sampled:
+            index = torch.tensor(sampled, device=device)
+            tokens, mass, q = drawn(context.index_select(0, index), last.index_select(0, index),
+                                    draw.batch(sampled, device))
+            parts.append(torch.stack([tokens.double(), mass.double()]).flatten(2))
+            qs = {b: q[s] for s, b in enumerate(sampled)}
+        # float64 holds every token id exactly, whatever the head's dtype
+        host = torch.cat(parts, dim=1).tolist()
+        return asked, {b: (host[0][j], host[1][j]) for j, b in enumerate(chosen + sampled)}, qs
+
     def _draw(self, plan: StepPlan, asked: list[tuple[int, int]], params: dict[str, SamplingParams] | None,
               device: torch.device) -> _Draw | None:
         """The sampling of the requests of ``asked`` ((chunk index, drafts to make) per drafting row) when some of

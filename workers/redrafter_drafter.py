@@ -37,7 +37,7 @@ from specray.models.step_graphs import FunctionGraphs, why_eager
 from specray.parallel import TPGroup
 from specray.sampling import SamplingBatch, logits_to_probs, sample, sample_without_replacement
 from specray.sampling_params import SamplingParams
-from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, drawn_tree, rows_of_last_tokens, tree_rows
+from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, drawn_tree, tree_rows
 
 
 class ReDrafterDrafter(DrawsFromQ):
@@ -80,40 +80,17 @@ class ReDrafterDrafter(DrawsFromQ):
                params: dict[str, SamplingParams] | None) -> list[Drafted | None]:
         """Per chunk of ``plan``, the first ``num_next_drafts`` nodes of its tree (None where none were asked for or
         nothing was committed): a greedy request's beams' prefix tree, a sampled one's beams drawn from q."""
-        found = rows_of_last_tokens(plan, kept, paths)
-        asked = [(i, plan.chunks[i].num_next_drafts) for i, _ in found]
+        search = self.beam_search if self.graphs is None else self.graphs.run
+        asked, rows, qs = self._from_last_rows(plan, hidden, kept, paths, params, search, self.drawn_beams)
         out: list[Drafted | None] = [None] * len(plan.chunks)
-        if not found:
-            return out
-        device = hidden.device
-        context = hidden.index_select(0, torch.tensor([row for _, row in found], device=device))
-        last = torch.tensor([kept[i][-1] for i, _ in found], device=device)
-        draw = self._draw(plan, asked, params, device)
-        sampled = [] if draw is None else draw.sampled
-        searched = sorted(set(range(len(found))) - set(sampled))
-        parts, q = [], None
-        if searched:  # [2, G, M * L]: tokens and each one's log q given its beam's earlier ones
-            index = torch.tensor(searched, device=device)
-            search = self.beam_search if self.graphs is None else self.graphs.run
-            found_beams = search(context.index_select(0, index), last.index_select(0, index))
-            parts.append(torch.stack([t.double() for t in found_beams]).flatten(2))
-        if sampled:  # [2, S, L * M]: tokens and each one's mass under the q it was drawn from
-            index = torch.tensor(sampled, device=device)
-            tokens, mass, q = self.drawn_beams(context.index_select(0, index), last.index_select(0, index),
-                                               draw.batch(sampled, device))
-            parts.append(torch.stack([tokens.double(), mass.double()]))
-        # float64 holds every token id exactly, whatever the head's dtype
-        host = torch.cat(parts, dim=1).tolist()  # the drafts' one host sync
-        place = {b: j for j, b in enumerate(searched + sampled)}
         length = self.beam_length
-        for s, b in enumerate(sampled):
-            i, n = asked[b]
-            out[i] = self._keep_drawn(plan.chunks[i].req_id, host[0][place[b]], host[1][place[b]], n, q[s])
-        for b in searched:
-            i, n = asked[b]
-            tokens, lps = host[0][place[b]], host[1][place[b]]
-            out[i] = prefix_tree([tokens[m: m + length] for m in range(0, len(tokens), length)],
-                                 [lps[m: m + length] for m in range(0, len(lps), length)], n)
+        for b, (i, n) in enumerate(asked):
+            tokens, values = rows[b]  # a sampled request's: each token's mass; else its log q given its beam
+            if b in qs:
+                out[i] = self._keep_drawn(plan.chunks[i].req_id, tokens, values, n, qs[b])
+            else:
+                out[i] = prefix_tree([tokens[m: m + length] for m in range(0, len(tokens), length)],
+                                     [values[m: m + length] for m in range(0, len(values), length)], n)
         return out
 
     def drawn_beams(self, context: torch.Tensor, first: torch.Tensor, batch: SamplingBatch

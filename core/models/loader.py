@@ -398,6 +398,19 @@ def head_tensors(path: str | os.PathLike, what: str, torch_files: tuple[str, ...
     return folder, tensors
 
 
+def head_config(folder: Path, what: str, model_type: str, kind: str) -> dict[str, Any]:
+    """A small head's ``config.json`` (in ``folder``, from :func:`head_tensors`), its ``model_type`` checked: a
+    ValueError naming the file otherwise (``kind``: what a checkpoint of that type is, for the message)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"the {what} checkpoint folder {str(folder)!r} has no config.json")
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") != model_type:
+        raise ValueError(f"{str(config_file)!r} has model_type={config.get('model_type')!r}; {kind} has "
+                         f"{model_type!r}")
+    return config
+
+
 def load_frozen(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> nn.Module:
     """``module`` with ``state`` loaded (every parameter, nothing else: a ValueError naming ``what`` otherwise), in
     eval mode, its parameters frozen."""

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specray.models.layers import gather_vocab, materialize, shard_vocab_rows, vocab_shard
-from specray.models.loader import head_tensors, load_frozen
+from specray.models.loader import head_config, head_tensors, load_frozen
 from specray.parallel import TPGroup
 
 MODEL_TYPE = "recurrent_drafting_drafter"
@@ -103,13 +103,7 @@ def load_redrafter(path: str | os.PathLike | None, target_config, dtype: torch.d
     if path is None:
         raise ValueError("speculative_config.model is required for method='redrafter': the drafter's checkpoint folder")
     folder, tensors = head_tensors(path, "redrafter", ("*.bin",))
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"the redrafter checkpoint folder {str(folder)!r} has no config.json")
-    config = json.loads(config_file.read_text())
-    if config.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"{str(config_file)!r} has model_type={config.get('model_type')!r}; a ReDrafter checkpoint "
-                         f"(Apple's recurrent_drafting layout) has {MODEL_TYPE!r}")
+    config = head_config(folder, "redrafter", MODEL_TYPE, "a ReDrafter checkpoint (Apple's recurrent_drafting layout)")
     h, v = target_config.hidden_size, target_config.vocab_size
     if (config.get("hidden_size"), config.get("vocab_size")) != (h, v):
         raise ValueError(f"the redrafter has hidden_size={config.get('hidden_size')}, vocab_size="
