@@ -8,6 +8,7 @@ ReDrafter's in :mod:`specray.workers.redrafter_drafter`),
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -393,35 +394,78 @@ class ReDrafterOptions(HeadOptions):
 @dataclass
 class MLPSpeculatorOptions(HeadOptions):
     """``speculative_config`` keys of ``method="mlp_speculator"`` (vLLM's): IBM's MLP speculator checkpoint, whose
-    stages draft a chain of up to its ``n_predict`` tokens (the default draft count)."""
+    stages draft a chain of up to its ``n_predict`` tokens (the default draft count); or, with ``candidate_tree``, a
+    greedy request's token tree of IBM's candidates (``num_speculative_tokens``: the most nodes of it per step)."""
 
     # the speculator's checkpoint folder or hub id (e.g. ibm-ai-platform/llama3-8b-accelerator)
     model: str | None = None
+    # IBM's candidate tree (its inference server's, which vLLM leaves out): stage k's top_k_tokens_per_head[k] best
+    # tokens under every path so far, the n_candidates best paths by log q merged into a prefix tree; both default to
+    # the checkpoint's config.json. Sampled requests draft chains drawn from q either way.
+    candidate_tree: bool = False
+    top_k_tokens_per_head: list[int] | None = None
+    n_candidates: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r}: method='mlp_speculator' needs the "
                              "speculator's checkpoint folder (or hub id), e.g. ibm-ai-platform/llama3-8b-accelerator")
+        if not isinstance(self.candidate_tree, bool):
+            raise ValueError(f"speculative_config.candidate_tree={self.candidate_tree!r} must be a bool")
+        given = [name for name in ("top_k_tokens_per_head", "n_candidates") if getattr(self, name) is not None]
+        if given and not self.candidate_tree:
+            raise ValueError(f"speculative_config.{given[0]} shapes the candidate tree: give candidate_tree=True too "
+                             "(or leave it out for chains)")
+
+    def candidates(self) -> tuple[list[int], int] | None:
+        """The candidate tree's (top-k per stage, candidates kept), checked; None: chains."""
+        if not self.candidate_tree:
+            return None
+        config = mlp_speculator_config(self.model)
+        stages = int(config["n_predict"])
+        top = self.top_k_tokens_per_head if self.top_k_tokens_per_head is not None else config.get(
+            "top_k_tokens_per_head")
+        n = self.n_candidates if self.n_candidates is not None else config.get("n_candidates")
+        if not isinstance(top, list) or len(top) != stages or not all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in top):
+            raise ValueError(f"speculative_config.top_k_tokens_per_head={top!r}: the candidate tree takes one int >= 1 "
+                             f"per stage of the speculator {self.model!r} ({stages}, n_predict)")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= math.prod(top):
+            raise ValueError(f"speculative_config.n_candidates={n!r}: the candidate tree keeps between 1 and "
+                             f"{math.prod(top)} candidates (the product of top_k_tokens_per_head={top})")
+        return top, n
 
     @property
     def default_draft_count(self) -> int:
-        """``num_speculative_tokens`` when it is not given: one draft per stage."""
-        return mlp_speculator_stages(self.model)
+        """``num_speculative_tokens`` when it is not given: one draft per stage, or a candidate tree's most nodes
+        (per stage, its paths so far, at most the candidates kept)."""
+        tree = self.candidates()
+        if tree is None:
+            return mlp_speculator_stages(self.model)
+        top, n = tree
+        return sum(min(n, math.prod(top[: k + 1])) for k in range(len(top)))
 
     def check_draft_count(self, num_speculative_tokens: int) -> None:
         stages = mlp_speculator_stages(self.model)
-        if num_speculative_tokens > stages:
+        if self.candidates() is None and num_speculative_tokens > stages:
             raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}: the MLP "
                              f"speculator {self.model!r} has {stages} stages (n_predict), one draft each; give "
-                             f"num_speculative_tokens <= {stages} (or leave it out)")
+                             f"num_speculative_tokens <= {stages} (or leave it out), or candidate_tree=True")
+
+    def drafts_trees(self) -> bool:
+        return self.candidate_tree
 
     def writes_kv(self) -> bool:
         return False  # no attention in the stages
 
+    def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
+        tree = self.candidates()
+        return {"candidates": None if tree is None else [tree[0], tree[1]]}
 
-def mlp_speculator_stages(path: str) -> int:
-    """An MLP speculator checkpoint's stages (``n_predict`` of its config.json, checked)."""
+
+def mlp_speculator_config(path: str) -> dict[str, Any]:
+    """An MLP speculator checkpoint's config.json, checked."""
     from pathlib import Path
 
     from specray.models.loader import resolve_model
@@ -430,7 +474,12 @@ def mlp_speculator_stages(path: str) -> int:
     folder = Path(path).expanduser()
     if not folder.is_dir():  # a hub id: its config alone
         folder = Path(resolve_model(path, weights=False).path)
-    return int(read_mlp_speculator_config(folder)["n_predict"])
+    return read_mlp_speculator_config(folder)
+
+
+def mlp_speculator_stages(path: str) -> int:
+    """An MLP speculator checkpoint's stages (``n_predict`` of its config.json)."""
+    return int(mlp_speculator_config(path)["n_predict"])
 
 
 @dataclass

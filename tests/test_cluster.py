@@ -811,6 +811,20 @@ def test_killed_worker_fails_running_requests_at_once_keeps_waiting_ones_and_ser
         engine.executor.shutdown()
 
 
+def wait_until_dead(actor, timeout: float = 60.0) -> None:
+    """Block until a killed actor no longer answers (a call to it raises), or fail after ``timeout`` seconds."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=deadline - time.monotonic())
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the killed actor {actor} still answers after {timeout:.0f}s")
+
+
 def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeypatch, caplog):
     import ray
     from specray.cluster import drafter_actor
@@ -826,7 +840,9 @@ def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeyp
         ids = [engine.add_request(p, params) for p in prompts]
         for _ in range(3):
             engine.step()
-        ray.kill(engine.drafter.actor)
+        actor = engine.drafter.actor
+        ray.kill(actor)
+        wait_until_dead(actor)  # (the kill is asynchronous: on a loaded machine the actor could answer every step)
         done = {}
         with caplog.at_level("WARNING", logger="specray.cluster.drafter_actor"):
             while engine.has_unfinished_requests():

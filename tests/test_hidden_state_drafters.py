@@ -687,14 +687,14 @@ def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method, eager):
 
 
 def trees_over_dense_hidden(target_dir, heads, kind: str, method: str, num_nodes: int, max_tokens: int,
-                            eager: bool = True):
+                            eager: bool = True, options: dict | None = None):
     """Run four prompts (small blocks, so they are preempted) through ``method``'s ``kind`` head drafting up to
-    ``num_nodes`` nodes (``eager`` False: the head's passes from graphs); after every step, for every request that
-    drafted: (its tokens, drafts, parents, scores, the target's hidden state at its last committed position
-    recomputed densely from scratch, the dense target)."""
+    ``num_nodes`` nodes (``eager`` False: the head's passes from graphs; ``options``: more of the method's keys);
+    after every step, for every request that drafted: (its tokens, drafts, parents, scores, the target's hidden state
+    at its last committed position recomputed densely from scratch, the dense target)."""
     kwargs = engine_kwargs(target_dir, heads, kind, method, block_size=4, num_kv_blocks=40, max_num_seqs=4,
                            enforce_eager=eager)
-    kwargs["speculative_config"]["num_speculative_tokens"] = num_nodes
+    kwargs["speculative_config"].update(options or {}, num_speculative_tokens=num_nodes)
     llm = LLM(kwargs.pop("model"), **kwargs)
     engine = llm.engine
     assert (engine.executor.worker.runner.drafter.graphs is None) == eager
@@ -861,11 +861,9 @@ def test_redrafter_sampled_beams_are_drawn_from_q_one_beam_at_a_time(target_dir,
     assert differ > 0
 
 
-def reference_mlp_stages(folder: Path, context: torch.Tensor, first: int, drawn: list[int] | None = None
-                         ) -> tuple[list[int], list[float], list[torch.Tensor]]:
-    """IBM's MLP speculator written out from its checkpoint's raw tensors (Wertheimer et al.'s formula, one stage at
-    a time, apart from specray.models.mlp_speculator): each stage's argmax, its probability and the stage's
-    distribution, each stage reading the token before (``drawn``: those tokens instead of the argmax)."""
+def raw_mlp_speculator(folder: Path):
+    """IBM's MLP speculator written out from its checkpoint's raw tensors (Wertheimer et al.'s formula, apart from
+    specray.models.mlp_speculator): (start(context) -> s_0, stage(k, s_k, token) -> (s_{k+1}, stage k's q))."""
     from safetensors.torch import load_file
 
     config = json.loads((folder / "config.json").read_text())
@@ -881,20 +879,72 @@ def reference_mlp_stages(folder: Path, context: torch.Tensor, first: int, drawn:
 
     ws = 0.5 ** (0.5 / n)
     we = math.sqrt((1 - ws ** 2) * inner / 2)
-    state = context.float()
-    if config["scale_input"]:
-        state = state / torch.sqrt(state.pow(2).mean() + 1e-6) / math.sqrt(2)
-    token, tokens, probs, dists = first, [], [], []
-    for k in range(n):
+
+    def start(context: torch.Tensor) -> torch.Tensor:
+        state = context.float()
+        return state / torch.sqrt(state.pow(2).mean() + 1e-6) / math.sqrt(2) if config["scale_input"] else state
+
+    def stage(k: int, state: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = weight("proj", k) @ state + (we / ws) * weight("emb", k)[token]
         x = x / torch.sqrt(x.pow(2).mean() + 1e-6) * weight("ln", k) + weight("ln", k, "bias")
         state = torch.nn.functional.gelu(x)
-        p = torch.softmax(weight("head", k) @ state, dim=-1)
+        return state, torch.softmax(weight("head", k) @ state, dim=-1)
+
+    return start, stage
+
+
+def reference_mlp_stages(folder: Path, context: torch.Tensor, first: int, drawn: list[int] | None = None
+                         ) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    """The speculator's stages one after another (:func:`raw_mlp_speculator`): each stage's argmax, its probability
+    and the stage's distribution, each stage reading the token before (``drawn``: those tokens instead of the
+    argmax)."""
+    start, stage = raw_mlp_speculator(folder)
+    state, token, tokens, probs, dists = start(context), first, [], [], []
+    for k in range(json.loads((folder / "config.json").read_text())["n_predict"]):
+        state, p = stage(k, state, token)
         token = int(p.argmax()) if drawn is None else drawn[k]
         tokens.append(int(p.argmax()))
         probs.append(float(p.max()))
         dists.append(p)
     return tokens, probs, dists
+
+
+def reference_mlp_candidates(folder: Path, context: torch.Tensor, first: int, top: list[int], n: int, nodes: int):
+    """IBM's candidate tree one path at a time: every path taking each stage's ``top[k]`` best tokens after it, the
+    ``n`` best by path log q merged into a prefix tree (its first ``nodes`` nodes)."""
+    from specray.workers.head_drafter import prefix_tree
+
+    start, stage = raw_mlp_speculator(folder)
+    paths = [((), (), start(context), first, 0.0)]  # (tokens, each one's log q, state, last token, path log q)
+    for k, width in enumerate(top):
+        grown = []
+        for tokens, lps, state, token, total in paths:
+            state, q = stage(k, state, token)
+            values, ids = q.log().topk(width)
+            grown += [(tokens + (int(t),), lps + (float(v),), state, int(t), total + float(v))
+                      for v, t in zip(values, ids)]
+        paths = grown
+    best = sorted(paths, key=lambda path: -path[4])[:n]
+    return prefix_tree([list(p[0]) for p in best], [list(p[1]) for p in best], nodes)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_mlp_speculator_candidate_trees_equal_a_dense_search(target_dir, heads, eager):
+    """``candidate_tree``: after every step, each greedy request's tree is IBM's candidates searched one path at a time
+    from the target's hidden state at the last committed position (recomputed densely from scratch): every path
+    taking each stage's top 2 tokens, the 3 best by path log q merged into a prefix tree, best first, each node
+    scored with its q given its parent; greedy output is plain. Eagerly, and from graphs."""
+    options = {"candidate_tree": True, "top_k_tokens_per_head": [2, 2, 2], "n_candidates": 3}
+    folder = heads["accepting", "mlp_speculator"]
+    checked = branched = 0
+    for tokens, drafts, parents, scores, hidden, _ in trees_over_dense_hidden(target_dir, heads, "accepting",
+                                                                              "mlp_speculator", 8, 20, eager, options):
+        want = reference_mlp_candidates(folder, hidden, tokens[-1], [2, 2, 2], 3, len(drafts))
+        assert (drafts, parents) == (want.token_ids, want.parents), (tokens, drafts, parents, want)
+        assert scores == pytest.approx(want.scores, rel=1e-4)
+        checked += 1
+        branched += len(set(parents)) < len(parents)
+    assert checked >= 10 and branched > 0, (checked, branched)
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
@@ -977,6 +1027,32 @@ def test_mlp_speculator_settings_are_checked(target_dir, heads, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "model_type": "medusa"}))
     with pytest.raises(ValueError, match=r"model_type='medusa'; an MLP speculator checkpoint .* has 'mlp_speculator'"):
         LLM(str(target_dir), speculative_config={"method": "mlp_speculator", "model": str(other)})
+    spec = {"method": "mlp_speculator", "model": str(folder)}
+    with pytest.raises(ValueError, match=r"top_k_tokens_per_head shapes the candidate tree: give candidate_tree=True"):
+        LLM(str(target_dir), speculative_config={**spec, "top_k_tokens_per_head": [2, 2, 2]})
+    with pytest.raises(ValueError, match=r"top_k_tokens_per_head=\[2, 2\]: the candidate tree takes one int >= 1 per "
+                                         r"stage .* \(3, n_predict\)"):
+        LLM(str(target_dir), speculative_config={**spec, "candidate_tree": True, "top_k_tokens_per_head": [2, 2]})
+    with pytest.raises(ValueError, match=r"n_candidates=9: the candidate tree keeps between 1 and 8 candidates"):
+        LLM(str(target_dir), speculative_config={**spec, "candidate_tree": True, "top_k_tokens_per_head": [2, 2, 2],
+                                                 "n_candidates": 9})
+
+
+def test_mlp_speculator_candidate_trees_beside_drawn_chains(target_dir, heads, plain):
+    """``candidate_tree`` with the checkpoint's own shape (written with one candidate a stage: a chain-shaped tree)
+    and a given one: greedy requests verify candidate trees (the whole tree by default: its most nodes), sampled
+    ones beside them chains drawn from q; greedy output is plain, a seed repeats."""
+    folder = str(heads["accepting", "mlp_speculator"])
+    for shape in ({}, {"top_k_tokens_per_head": [3, 2, 1], "n_candidates": 4}):
+        llm = LLM(str(target_dir), max_model_len=256, speculative_config={
+            "method": "mlp_speculator", "model": folder, "candidate_tree": True, "adaptive": False, **shape})
+        assert llm.engine.policy.num_speculative_tokens == (3 if not shape else 3 + 4 + 4)
+        params = [greedy(16), SamplingParams(seed=5, **{**SAMPLED, "max_tokens": 16})] * 2
+        first = token_ids(llm.generate(PROMPTS[:4], params, use_tqdm=False))
+        assert [first[0], first[2]] == token_ids(plain.generate([PROMPTS[0], PROMPTS[2]], greedy(16),
+                                                                use_tqdm=False))
+        assert token_ids(llm.generate(PROMPTS[:4], params, use_tqdm=False)) == first
+        assert llm.spec_stats.accepted_tokens > 0
 
 
 def on_off_policy(engine, pattern: str):

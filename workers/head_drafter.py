@@ -60,6 +60,7 @@ import bisect
 import hashlib
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -303,8 +304,9 @@ class DrawsFromQ:
                                     draw.batch(sampled, device))
             parts.append(torch.stack([tokens.double(), mass.double()]).flatten(2))
             qs = {b: q[s] for s, b in enumerate(sampled)}
-        # float64 holds every token id exactly, whatever the head's dtype
-        host = torch.cat(parts, dim=1).tolist()
+        # float64 holds every token id exactly, whatever the head's dtype; the narrower part padded (never read)
+        width = max(part.shape[2] for part in parts)
+        host = torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[2])) for part in parts], dim=1).tolist()
         return asked, {b: (host[0][j], host[1][j]) for j, b in enumerate(chosen + sampled)}, qs
 
     def _draw(self, plan: StepPlan, asked: list[tuple[int, int]], params: dict[str, SamplingParams] | None,
@@ -996,6 +998,27 @@ def drawn_tree(token_ids: list[float], parents: list[float], ok: list[float], n:
             keep.append(node)
     return keep, Drafted([int(token_ids[node]) for node in keep],
                          [-1 if parents[node] < 0 else index[int(parents[node])] for node in keep])
+
+
+def prefix_tree(beams: list[list[float]], log_probs: list[list[float]], n: int) -> Drafted:
+    """One request's beams (token ids and each token's log q given the beam before it: ReDrafter's beams, an MLP
+    speculator's candidates) merged into a prefix tree; its best ``n`` nodes by path log-probability, parents first
+    (ties by depth, then the order found), with parents and each node's q given its parent."""
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    nodes: list[tuple[int, int, float, float, int]] = []  # (token, parent, path log q, own log q, depth)
+    for beam, lps in zip(beams, log_probs):
+        parent, path = -1, 0.0
+        for depth, (token, lp) in enumerate(zip(beam, lps), start=1):
+            token, path = int(token), path + lp
+            node = index.get((parent, token))
+            if node is None:
+                node = index[parent, token] = len(nodes)
+                nodes.append((token, parent, path, lp, depth))
+            parent = node
+    order = sorted(range(len(nodes)), key=lambda j: (-nodes[j][2], nodes[j][4], j))[:n]
+    where = {node: k for k, node in enumerate(order)}
+    return Drafted([nodes[j][0] for j in order], [-1 if nodes[j][1] < 0 else where[nodes[j][1]] for j in order],
+                   [math.exp(nodes[j][3]) for j in order])
 
 
 def tree_rows(nodes: list[int]) -> list[int]:

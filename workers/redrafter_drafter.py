@@ -27,8 +27,6 @@ the beams and their length); drawn beams run eagerly (their draws read each requ
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from specray.contract import StepPlan
@@ -37,7 +35,7 @@ from specray.models.step_graphs import FunctionGraphs, why_eager
 from specray.parallel import TPGroup
 from specray.sampling import SamplingBatch, logits_to_probs, sample, sample_without_replacement
 from specray.sampling_params import SamplingParams
-from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, drawn_tree, tree_rows
+from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, drawn_tree, prefix_tree, tree_rows
 
 
 class ReDrafterDrafter(DrawsFromQ):
@@ -152,24 +150,3 @@ class ReDrafterDrafter(DrawsFromQ):
                              lp.gather(1, parent[:, :, None].expand(b, m, vocab)).gather(2, last[:, :, None])), dim=2)
             state = state.gather(1, parent[:, :, None].expand(b, m, state.shape[2]))
         return tokens, own
-
-
-def prefix_tree(beams: list[list[float]], log_probs: list[list[float]], n: int) -> Drafted:
-    """One request's beams (token ids and each token's log q given the beam before it) merged into a prefix tree;
-    its best ``n`` nodes by path log-probability, parents first (ties by depth, then the order found), with parents
-    and each node's q given its parent."""
-    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    nodes: list[tuple[int, int, float, float, int]] = []  # (token, parent, path log q, own log q, depth)
-    for beam, lps in zip(beams, log_probs):
-        parent, path = -1, 0.0
-        for depth, (token, lp) in enumerate(zip(beam, lps), start=1):
-            token, path = int(token), path + lp
-            node = index.get((parent, token))
-            if node is None:
-                node = index[parent, token] = len(nodes)
-                nodes.append((token, parent, path, lp, depth))
-            parent = node
-    order = sorted(range(len(nodes)), key=lambda j: (-nodes[j][2], nodes[j][4], j))[:n]
-    where = {node: k for k, node in enumerate(order)}
-    return Drafted([nodes[j][0] for j in order], [-1 if nodes[j][1] < 0 else where[nodes[j][1]] for j in order],
-                   [math.exp(nodes[j][3]) for j in order])
