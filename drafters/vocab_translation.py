@@ -31,6 +31,7 @@ Penalties, logit biases and grammars name the target's token ids, so a translate
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ _BACK = 2  # draft tokens before the changed text encoded again (new text may me
 _CONTEXT = 2  # tokens before a restart that must come out of its encoding as they were
 _WINDOW = 32  # characters of committed text the target's tokenizer reads before the drafts' text
 _DECODE_CONTEXT = 4  # tokens decoded before new ones (their text dropped): leading spaces come out right
+_MARKS = 256  # the target's updates a history can roll back to (a prefetch's rejected assumptions: the last few)
 
 
 def translatable(tokenizer) -> str | None:
@@ -113,7 +115,7 @@ class _Target:
         # decoded after the tokens since the last mark before the end (they start a character: a window starting
         # inside one would decode a byte-fallback run as replacement characters); the first text alone, as the
         # tokenizer decodes a whole sequence (no leading dummy space)
-        start = max(m for m, _ in self.marks if m < len(self.ids)) if self.text else len(self.ids)
+        start = next(m for m, _ in reversed(self.marks) if m < len(self.ids)) if self.text else len(self.ids)
         context = self.ids[start:]
         # an incomplete character's tokens (at most 3 bytes of it) wait for the one that completes it; text that
         # still ends in U+FFFD without them has a replacement character of its own
@@ -128,6 +130,8 @@ class _Target:
         self.ids += new[:len(new) - held]
         self.text += text
         self.marks.append((len(self.ids), len(self.text)))
+        if len(self.marks) > _MARKS:  # the oldest go (a rollback past them decodes from the start)
+            del self.marks[1: len(self.marks) - _MARKS]
         return unchanged
 
 
@@ -140,7 +144,7 @@ class _Draft:
 
     def update(self, side: _Side, text: str, unchanged: int) -> None:
         """Re-encode the text past the first ``unchanged`` characters (every earlier character as before)."""
-        whole = sum(1 for _, end in self.spans if end <= unchanged)  # spans grow with the index
+        whole = bisect.bisect_right(self.spans, unchanged, key=lambda span: span[1])  # spans grow with the index
         restart = max(0, whole - _BACK)
         while restart > 0:
             first = max(0, restart - _CONTEXT)

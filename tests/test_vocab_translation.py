@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from specray import LLM, SamplingParams
+from specray.drafters import vocab_translation
 from specray.drafters.vocab_translation import VocabTranslator, translatable
 from specray_test_engine_runs import check_sampled_distribution, greedy, token_ids  # tests/engine_runs.py
 from specray_test_vocabularies import permuted_copy  # tests/vocabularies.py
@@ -31,12 +32,16 @@ def tokenizers(tmp_path_factory) -> dict:
             "gemma": build_spm_tokenizer(root / "gemma", "gemma")}
 
 
-@pytest.mark.parametrize("target,draft", [("bpe", "llama"), ("llama", "bpe"), ("gemma", "bpe"), ("llama", "gemma")])
-def test_a_history_in_the_drafts_tokens_is_their_own_encoding(tokenizers, target, draft):
+@pytest.mark.parametrize("target,draft,marks", [("bpe", "llama", None), ("llama", "bpe", None),
+                                                ("gemma", "bpe", None), ("llama", "gemma", None), ("bpe", "llama", 2)])
+def test_a_history_in_the_drafts_tokens_is_their_own_encoding(tokenizers, target, draft, marks, monkeypatch):
     """A history that grows by a few tokens a step and sometimes forgets its last ones (rejected prefetched drafts):
     after every step the draft's tokens are the draft tokenizer's encoding of the history's text (byte-level BPE
     and sentencepiece pieces with byte fallback both ways, characters of several bytes split across steps), that
-    text a prefix of the whole text, all of it but a held-back character at the end."""
+    text a prefix of the whole text, all of it but a held-back character at the end; ``marks``: only that many of
+    the target's updates kept to roll back to (a rollback past them decodes from the start)."""
+    if marks is not None:
+        monkeypatch.setattr(vocab_translation, "_MARKS", marks)
     target_tok, draft_tok = tokenizers[target], tokenizers[draft]
     ids = target_tok._tokenizer.encode(TEXT, add_special_tokens=True).ids
     translator = VocabTranslator(target_tok, draft_tok)
