@@ -21,7 +21,8 @@ y_i ~ p_i at every position (:func:`~specray.sampling.sample_by_inversion`, a se
 the token's sequence position), x_i is accepted iff x_i == y_i, and the extra token is y_n. This is the one-hot
 case of the rule above: x_i is kept with probability p_i(x_i), and given a rejection y_n is distributed as p_n
 without x_n, renormalised. Since y_i depends only on p_i and the key, a seeded request's output is the one plain
-decoding samples with the same seed, token for token, whatever was drafted.
+decoding samples with the same seed, token for token, whatever was drafted (up to float rounding: p_i from a step of
+other shapes differs in its last bits, which moves a draw landing that close to a boundary of its cumulative sum).
 
 Everything is padded to K = max_b k_b and masked; nothing reads a tensor value back to the host.
 """
