@@ -312,7 +312,8 @@ def _add_bench_parser(sub) -> None:
 def _add_train_draft_parser(sub) -> None:
     p = sub.add_parser("train-draft", help="train a hidden-state draft head (EAGLE-3, EAGLE, MTP, Medusa, ReDrafter, "
                        "DFlash) on the target's own text; resumable: run the same command again to go on")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "eagle", "mtp", "medusa", "redrafter", "dflash"])
+    p.add_argument("--method", default="eagle3",
+                   choices=["eagle3", "eagle", "mtp", "medusa", "redrafter", "mlp_speculator", "dflash"])
     p.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="working folder (data, features, checkpoints, the head)")
     p.add_argument("--head-dir", default=None, help="where to write the trained head (default OUT/head)")

@@ -162,6 +162,9 @@ WHOLE_MODULES = {
                   lambda head: json.loads((head / "config.json").read_text())["model_type"] ==
                   "recurrent_drafting_drafter",
                   {"num_speculative_tokens": 6, "redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}),
+    "mlp_speculator": (dict(ttt_steps=3), 3,
+                       lambda head: json.loads((head / "config.json").read_text())["model_type"] == "mlp_speculator",
+                       {"num_speculative_tokens": 3}),
     "dflash": (dict(dflash_block_size=4, dflash_num_layers=1, dflash_anchors=8), 3,
                lambda head: json.loads((head / "config.json").read_text())["architectures"] == ["DFlashDraftModel"],
                {"num_speculative_tokens": 3}),
@@ -170,11 +173,12 @@ WHOLE_MODULES = {
 
 @pytest.mark.parametrize("method", list(WHOLE_MODULES))
 def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir, method):
-    """``--method medusa``, ``--method redrafter`` and ``--method dflash``: the pipeline trains the heads (Medusa's),
-    the recurrent drafter or the DFlash model on the target's own text (stopped after one step and resumed from its
-    checkpoint); each head, each teacher-forced draft step or each block row agrees with the target on held-out text;
-    they are written in their public layout (FasterDecoding's, Apple's, z-lab's), and served (a token tree; DFlash's
-    chains) they keep greedy output identical while getting drafts accepted."""
+    """``--method medusa``, ``redrafter``, ``mlp_speculator`` and ``dflash``: the pipeline trains the heads
+    (Medusa's), the recurrent drafter, the MLP speculator or the DFlash model on the target's own text (stopped after
+    one step and resumed from its checkpoint); each head, each teacher-forced draft step or stage or each block row
+    agrees with the target on held-out text; they are written in their public layout (FasterDecoding's, Apple's,
+    IBM's, z-lab's), and served (a token tree; chains) they keep greedy output identical while getting drafts
+    accepted."""
     options, steps, written, serving = WHOLE_MODULES[method]
     data = tiny_data(tmp_path)
     train = dict(method=method, lr=3e-3, tokens_per_batch=512, warmup_steps=5, checkpoint_every=5,
@@ -187,7 +191,7 @@ def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir
                                  stages=("features", "train", "export")))
     assert trained["step"] > first >= 1
     assert len(trained["agreement"]) == steps and min(trained["agreement"]) > 0.5, trained
-    if method == "redrafter":
+    if method in ("redrafter", "mlp_speculator"):
         assert trained["expected_accepted_length_one_beam"] > 1.5, trained
     assert written(out / "head")
     assert json.loads((out / "head" / "card.json").read_text())["method"] == method

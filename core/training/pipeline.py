@@ -61,10 +61,12 @@ def run(config: PipelineConfig) -> dict:
     from specray.training.features import compute_features
     from specray.training.dflash import export_dflash, train_dflash
     from specray.training.medusa import export_medusa, train_medusa
+    from specray.training.mlp_speculator import export_mlp_speculator, train_mlp_speculator
     from specray.training.redrafter import export_redrafter, train_redrafter
     from specray.training.train import export, feature_layers, train
 
     fit, write = {"medusa": (train_medusa, export_medusa), "redrafter": (train_redrafter, export_redrafter),
+                  "mlp_speculator": (train_mlp_speculator, export_mlp_speculator),
                   "dflash": (train_dflash, export_dflash)}.get(config.train.method, (train, export))
 
     if config.num_threads:

@@ -78,13 +78,12 @@ def unroll(drafter: ReDrafterHead, embed, context: torch.Tensor, tokens: torch.T
     return out
 
 
-def _losses(drafter: ReDrafterHead, embed, context: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor,
-            decay: float) -> tuple[torch.Tensor, list[float]]:
-    """The weighted loss and each step's top-1 agreement with the target (teacher-forced)."""
-    if context.shape[0] == 0:
+def _losses(steps: list[torch.Tensor], y: torch.Tensor, decay: float) -> tuple[torch.Tensor, list[float]]:
+    """The weighted loss over the teacher-forced steps' logits and each step's top-1 agreement with the target."""
+    if y.shape[0] == 0:
         return torch.zeros((), requires_grad=True), [float("nan")] * y.shape[1]
     loss, accs = torch.zeros(()), []
-    for j, logits in enumerate(unroll(drafter, embed, context, tokens)):
+    for j, logits in enumerate(steps):
         rows = y[:, j] >= 0
         if rows.any():
             loss = loss + decay ** j * F.cross_entropy(logits[rows], y[rows, j])
@@ -93,16 +92,19 @@ def _losses(drafter: ReDrafterHead, embed, context: torch.Tensor, tokens: torch.
     return loss, accs
 
 
-def train_redrafter(target, target_config, store: FeatureStore, prompt_lens: list[int], config: TrainConfig,
-                    out_dir: str, progress: bool = True) -> dict:
-    """Train (or resume) a recurrent drafter in ``out_dir``; returns each step's held-out agreement."""
+def train_teacher_forced(drafter: torch.nn.Module, unrolled, store: FeatureStore, prompt_lens: list[int],
+                         config: TrainConfig, out_dir: str, progress: bool = True) -> dict:
+    """Train (or resume) in ``out_dir`` a drafter that reads the target's last hidden state at a position and,
+    teacher-forced, the ``ttt_steps`` tokens after it (ReDrafter's, the MLP speculator's): ``unrolled(context,
+    tokens)`` gives each step's raw logits; returns each step's held-out agreement and the accepted length of one
+    greedy chain."""
     feats, labels, train_ids, eval_ids, ckpt_path = prepare(store, config, out_dir)
-    drafter = build_drafter(target, target_config, config)
     steps = config.ttt_steps
 
     def run_batch(batch_ids: list[int]) -> tuple[torch.Tensor, float]:
-        loss, accs = _losses(drafter, target.embed, *_load(batch_ids, store, feats, labels, prompt_lens, steps),
-                             config.step_decay)
+        context, tokens, y = _load(batch_ids, store, feats, labels, prompt_lens, steps)
+        logits = unrolled(context, tokens) if context.shape[0] else []
+        loss, accs = _losses(logits, y, config.step_decay)
         return loss, accs[0]
 
     step = train_module(drafter, config, train_ids, store, ckpt_path, run_batch, progress)
@@ -112,18 +114,25 @@ def train_redrafter(target, target_config, store: FeatureStore, prompt_lens: lis
             context, tokens, y = _load(batch_ids, store, feats, labels, prompt_lens, steps)
             if context.shape[0] == 0:
                 continue
-            hits = torch.stack([logits.argmax(-1) for logits in unroll(drafter, target.embed, context, tokens)],
-                               dim=1) == y  # [N, steps]
+            hits = torch.stack([logits.argmax(-1) for logits in unrolled(context, tokens)], dim=1) == y  # [N, steps]
             valid = y >= 0
             sums += (hits & valid).sum(0).numpy()
             counts += valid.sum(0).numpy()
-            whole = valid.all(1)  # positions with all steps in the text: accepted length of one greedy beam
+            whole = valid.all(1)  # positions with all steps in the text: accepted length of one greedy chain
             chains.append(hits[whole].int().cumprod(1).sum(1).float())
     accepted = float(torch.cat(chains).mean()) + 1 if chains and sum(len(c) for c in chains) else float("nan")
     return {"agreement": [float(s / max(c, 1)) for s, c in zip(sums, counts)], "step": step,
             "expected_accepted_length_one_beam": accepted, "eval_positions": int(counts[0]),
             "train_samples": len(train_ids), "eval_samples": len(eval_ids),
             "train_tokens": int(sum(store.lengths[i] for i in train_ids))}
+
+
+def train_redrafter(target, target_config, store: FeatureStore, prompt_lens: list[int], config: TrainConfig,
+                    out_dir: str, progress: bool = True) -> dict:
+    """Train (or resume) a recurrent drafter in ``out_dir``; returns each step's held-out agreement."""
+    drafter = build_drafter(target, target_config, config)
+    return train_teacher_forced(drafter, lambda context, tokens: unroll(drafter, target.embed, context, tokens),
+                                store, prompt_lens, config, out_dir, progress)
 
 
 def export_redrafter(target, target_config, config: TrainConfig, out_dir: str, head_dir: str) -> str:

@@ -42,7 +42,8 @@ CHECKPOINT = "checkpoint.pt"
 class TrainConfig:
     method: str = "eagle3"
     draft_vocab_size: int = 8192
-    ttt_steps: int = 3  # draft steps unrolled in training (ReDrafter: the beam length it learns)
+    # draft steps unrolled in training (ReDrafter: the beam length it learns; the MLP speculator: its stages)
+    ttt_steps: int = 3
     eval_steps: int = 4  # draft steps evaluated: the chain whose accepted length is estimated
     epochs: float = 4.0
     lr: float = 1e-3
@@ -60,9 +61,9 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("eagle", "eagle3", "mtp", "medusa", "redrafter", "dflash"):
+        if self.method not in ("eagle", "eagle3", "mtp", "medusa", "redrafter", "mlp_speculator", "dflash"):
             raise ValueError(f"method={self.method!r}: train-draft trains 'eagle', 'eagle3', 'mtp', 'medusa', "
-                             "'redrafter' or 'dflash' heads")
+                             "'redrafter', 'mlp_speculator' or 'dflash' heads")
         if self.dflash_block_size < 2:
             raise ValueError(f"dflash_block_size={self.dflash_block_size} must be >= 2 (the sampled token and a draft)")
         for name in ("draft_vocab_size", "ttt_steps", "eval_steps", "tokens_per_batch", "checkpoint_every",
