@@ -26,7 +26,7 @@ from specray.models.draft_head_loader import target_head_rows
 from specray.models.layers import rope_parameters
 from specray.models.plain_config import PlainConfig
 from specray.training.features import FeatureStore
-from specray.training.train import CHECKPOINT, TrainConfig, _batches, feature_layers, prepare, train_module
+from specray.training.train import TrainConfig, _batches, feature_layers, load_trained, prepare, train_module
 
 
 class _Norm(nn.Module):
@@ -271,9 +271,7 @@ def export_dflash(target, target_config, config: TrainConfig, out_dir: str, head
     """Write the trained model of ``out_dir/checkpoint.pt`` in z-lab's layout (float16 safetensors, config.json)."""
     from safetensors.torch import save_file
 
-    state = torch.load(os.path.join(out_dir, CHECKPOINT), weights_only=False)
-    model = build_trainer(target, target_config, config)
-    model.load_state_dict(state["head"])
+    model = load_trained(build_trainer, target, target_config, config, out_dir)
     os.makedirs(head_dir, exist_ok=True)
     save_file({k: v.half().contiguous() for k, v in model.state_dict().items()},
               os.path.join(head_dir, "model.safetensors"))

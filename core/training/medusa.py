@@ -11,8 +11,6 @@ layout (``medusa_lm_head.safetensors``), which ``method="medusa"`` loads.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,7 +18,7 @@ import torch.nn.functional as F
 from specray.models.draft_head_loader import target_head_rows
 from specray.models.medusa import MedusaHeads, save_medusa_heads
 from specray.training.features import FeatureStore
-from specray.training.train import CHECKPOINT, TrainConfig, _batches, prepare, train_module
+from specray.training.train import TrainConfig, _batches, load_trained, prepare, train_module
 
 
 def build_heads(target, target_config, config: TrainConfig) -> MedusaHeads:
@@ -105,10 +103,7 @@ def train_medusa(target, target_config, store: FeatureStore, prompt_lens: list[i
 
 def export_medusa(target, target_config, config: TrainConfig, out_dir: str, head_dir: str) -> str:
     """Write the trained heads of ``out_dir/checkpoint.pt`` in FasterDecoding's layout (float16)."""
-    state = torch.load(os.path.join(out_dir, CHECKPOINT), weights_only=False)
-    heads = build_heads(target, target_config, config)
-    heads.load_state_dict(state["head"])
-    heads.half()
+    heads = load_trained(build_heads, target, target_config, config, out_dir).half()
     save_medusa_heads(heads, head_dir, "medusa", extra_config={"hidden_size": target_config.hidden_size,
                                                                "vocab_size": target_config.vocab_size})
     return head_dir

@@ -12,15 +12,13 @@ token it gave. Written in IBM's layout (float16), which ``method="mlp_speculator
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specray.models.draft_head_loader import target_head_rows
 from specray.models.mlp_speculator import MLPSpeculatorHead, save_mlp_speculator
 from specray.training.features import FeatureStore
 from specray.training.redrafter import train_teacher_forced
-from specray.training.train import CHECKPOINT, TrainConfig
+from specray.training.train import TrainConfig, load_trained
 
 
 def build_speculator(target, target_config, config: TrainConfig) -> MLPSpeculatorHead:
@@ -55,8 +53,5 @@ def train_mlp_speculator(target, target_config, store: FeatureStore, prompt_lens
 
 def export_mlp_speculator(target, target_config, config: TrainConfig, out_dir: str, head_dir: str) -> str:
     """Write the trained speculator of ``out_dir/checkpoint.pt`` in IBM's layout (float16)."""
-    state = torch.load(os.path.join(out_dir, CHECKPOINT), weights_only=False)
-    head = build_speculator(target, target_config, config)
-    head.load_state_dict(state["head"])
-    save_mlp_speculator(head.half(), head_dir)
+    save_mlp_speculator(load_trained(build_speculator, target, target_config, config, out_dir).half(), head_dir)
     return head_dir

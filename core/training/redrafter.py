@@ -13,8 +13,6 @@ loads.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 from specray.models.draft_head_loader import target_head_rows
 from specray.models.redrafter import ReDrafterHead, save_redrafter
 from specray.training.features import FeatureStore
-from specray.training.train import CHECKPOINT, TrainConfig, _batches, prepare, train_module
+from specray.training.train import TrainConfig, _batches, load_trained, prepare, train_module
 
 
 def build_drafter(target, target_config, config: TrainConfig) -> ReDrafterHead:
@@ -137,8 +135,5 @@ def train_redrafter(target, target_config, store: FeatureStore, prompt_lens: lis
 
 def export_redrafter(target, target_config, config: TrainConfig, out_dir: str, head_dir: str) -> str:
     """Write the trained drafter of ``out_dir/checkpoint.pt`` in Apple's layout (float16)."""
-    state = torch.load(os.path.join(out_dir, CHECKPOINT), weights_only=False)
-    drafter = build_drafter(target, target_config, config)
-    drafter.load_state_dict(state["head"])
-    save_redrafter(drafter.half(), head_dir)
+    save_redrafter(load_trained(build_drafter, target, target_config, config, out_dir).half(), head_dir)
     return head_dir

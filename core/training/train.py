@@ -78,6 +78,15 @@ class TrainConfig:
                 raise ValueError(f"{name}={value!r} must be a number > 0")
 
 
+def load_trained(build, target, target_config, config: TrainConfig, out_dir: str) -> torch.nn.Module:
+    """The module ``build(target, target_config, config)`` makes, with the weights trained in
+    ``out_dir/checkpoint.pt`` (what the export stage writes)."""
+    state = torch.load(os.path.join(out_dir, CHECKPOINT), weights_only=False)
+    module = build(target, target_config, config)
+    module.load_state_dict(state["head"])
+    return module
+
+
 def feature_layers(method: str, num_target_layers: int) -> list[int]:
     """The target layers a ``method`` head reads the input residual stream of ([]: the last hidden state): EAGLE-3's
     three, which DFlash reads too (the outputs of the layers before them)."""
