@@ -189,13 +189,12 @@ class MTPOptions(HeadTreeOptions):
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"speculative_config.num_nextn_predict_layers={n!r} must be an int >= 1 (the MTP "
                              "modules to draft with)")
-        if self.drafts_trees() and self.num_modules > 1:
-            # a tree's level is one pass of one module over every node so far, each deeper level's module another
-            # whose K/V of the shallower nodes was never written
-            what = "use_dynamic_tree=True" if self.use_dynamic_tree else "a speculative_token_tree"
-            raise ValueError(f"speculative_config {what} with num_nextn_predict_layers={n}: token trees reuse one "
-                             "MTP module at every level; set num_nextn_predict_layers=1 (or leave it out) for trees, "
-                             "or draft chains of distinct modules")
+        if self.drafts_trees() and self.num_modules > 1 and self._tree_depth() > self.num_modules:
+            # module k drafts a tree's level k + 1 (its nodes read module k - 1's outputs along their paths)
+            what = ("dynamic_tree_depth" if self.use_dynamic_tree else "the speculative_token_tree's deepest path")
+            raise ValueError(f"speculative_config {what} is {self._tree_depth()} with num_nextn_predict_layers={n}: "
+                             "each level of a tree of distinct MTP modules comes from its own module; give at most "
+                             f"{n} levels, or num_nextn_predict_layers=1 to reuse module 0 at every level")
 
     @property
     def num_modules(self) -> int:
@@ -205,17 +204,34 @@ class MTPOptions(HeadTreeOptions):
     def default_draft_count(self) -> int | None:
         """``num_speculative_tokens`` when it is not given: one draft per module when there are several (a static
         tree's nodes with one)."""
-        return self.num_modules if self.num_modules > 1 else super().default_draft_count
+        return self.num_modules if self.num_modules > 1 and not self.drafts_trees() else super().default_draft_count
 
     def check_draft_count(self, num_speculative_tokens: int) -> None:
-        if self.num_modules > 1 and num_speculative_tokens > self.num_modules:
+        if self.num_modules > 1 and not self.drafts_trees() and num_speculative_tokens > self.num_modules:
             raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens} with "
                              f"num_nextn_predict_layers={self.num_modules}: each draft comes from its own MTP module; "
                              f"give num_speculative_tokens <= {self.num_modules}, or num_nextn_predict_layers=1 to "
                              "reuse module 0 for every draft")
 
+    def _tree_depth(self) -> int:
+        if self.speculative_token_tree is not None:
+            return max(len(path) for path in self.speculative_token_tree)
+        return self.dynamic_tree_depth
+
     def writes_kv(self) -> bool:
-        return self.num_modules == 1  # distinct modules write K/V at committed positions only
+        # distinct modules write K/V at committed positions only, but for their trees' nodes past the root's
+        return self.num_modules == 1 or self.tree_lookahead_slots() > 0
+
+    def tree_lookahead_slots(self) -> int:
+        """Distinct modules: module k's level pass places the nodes of depths 1..k from k positions before the
+        root's on, so it writes past the root's slot only where they outnumber k."""
+        if self.num_modules == 1 or not self.drafts_trees():
+            return super().tree_lookahead_slots()
+        if self.speculative_token_tree is None:
+            k = self.dynamic_tree_max_topK
+            return (k - 1) * (self.dynamic_tree_depth - 1)
+        above = [sum(len(path) <= d for path in self.speculative_token_tree) - d for d in range(1, self._tree_depth())]
+        return max([0, *above])
 
     def checkpoint(self, method: str, target_model: str) -> str | None:
         path = target_model if self.model is None else self.model  # the target's own MTP layers by default

@@ -386,6 +386,8 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
     else:  # the target's folder with its MTP modules added
         model = draft_heads.write_accepting_head(tmp_path / "mtp3", "mtp", tiny_llama_dir, num_modules=3)
         spec = {"method": "mtp", "num_nextn_predict_layers": 3}
+        if method == "mtp3-tree":  # EAGLE-2 trees, level k + 1 from module k
+            spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3)
     if method.endswith("-whole"):
         spec.update(draft_tensor_parallel_size=1)
     spec.update(num_speculative_tokens=3, adaptive=False)
@@ -431,10 +433,11 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 
 # DeepSeek-V3's and GLM-4.5's MTP blocks are one module: its experts split by width on GLM's, whole on DeepSeek's.
 # (EAGLE-3's chains split over two ranks: test_heads_on_the_last_pipeline_stage_keep_greedy_output's eagle3-tp2.)
-HEAD_CASES = ["eagle3-tree", "eagle3-static", "eagle3-whole", "mtp3", "deepseek-mtp-ep", "glm-mtp", "qwen3_5-mtp-tree",
-              "qwen3_5-mtp-tree-graphs", "mimo-mtp", "medusa", "redrafter", "mlp_speculator", "dflash", "dflash-tree"]
+HEAD_CASES = ["eagle3-tree", "eagle3-static", "eagle3-whole", "mtp3", "mtp3-tree", "deepseek-mtp-ep", "glm-mtp",
+              "qwen3_5-mtp-tree", "qwen3_5-mtp-tree-graphs", "mimo-mtp", "medusa", "redrafter", "mlp_speculator",
+              "dflash", "dflash-tree"]
 # a sampled request's tree (or MLP speculator's chain) drawn from q (checked sampled too)
-DRAWN_TREES = ("eagle3-tree", "eagle3-static", "qwen3_5-mtp-tree", "medusa", "redrafter", "mlp_speculator",
+DRAWN_TREES = ("eagle3-tree", "eagle3-static", "mtp3-tree", "qwen3_5-mtp-tree", "medusa", "redrafter", "mlp_speculator",
                "dflash-tree")
 
 
@@ -442,23 +445,24 @@ DRAWN_TREES = ("eagle3-tree", "eagle3-static", "qwen3_5-mtp-tree", "medusa", "re
 def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
     """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (EAGLE-2 trees, a
     static tree; its chains over the last pipeline stage's two ranks above), three distinct MTP modules
-    (num_nextn_predict_layers=3), DeepSeek-V3's own MTP module (its block's latent attention, experts whole per rank
-    with the target's enable_expert_parallel), GLM-4.5's (its block's grouped-query attention split by head, partial
-    RoPE, experts split by width), Qwen3.5's drafting EAGLE-2 trees over a hybrid target whose linear layers' recurrent
-    state splits by head too (its gated attention split by head), MiMo-V2-Flash's two chained modules (sliding-window
-    layers with sinks, their KV heads split), Medusa's heads, ReDrafter's recurrent drafter (beams merged into a tree)
-    and IBM's MLP speculator (each rank its rows of the LM heads), DFlash's block drafter (its layers split by head, its
-    context projection whole on every rank). Each rank holds its half of the head (and its heads' share of the head's
-    KV), reads the target's own split embedding and LM head, and drafts in lockstep with the driver from the verdict the
-    driver sends it. The drafts are one rank's: with a fixed draft count the same drafts are made and kept as on one
-    rank; greedy output equals one rank's plain output; no block leaked; the ranks' processes never import transformers.
-    EAGLE-2 (EAGLE-3's, Qwen3.5's MTP's), static, Medusa and ReDrafter trees and the MLP speculator's chains also for
-    sampled requests, drawn from q and verified against it on rank 0: the same seeds give the same tokens as one rank,
-    and unseeded ones (each rank draws from a stream seeded alike) finish. ``-whole`` (draft_tensor_parallel_size=1):
-    the head whole on rank 0, reading the target's embedding and LM head gathered whole once; rank 1 holds nothing of
-    it. ``-graphs``: every rank's steps and head passes from graphs, asked for (enforce_eager=False; on CPU their padded
-    static inputs run eagerly, each rank picking the same shapes): Qwen3.5's tree verify steps in the recurrence's tree
-    form, its MTP layer's tree levels."""
+    (num_nextn_predict_layers=3; chains, and EAGLE-2 trees a level per module), DeepSeek-V3's own MTP module (its
+    block's latent attention, experts whole per rank with the target's enable_expert_parallel), GLM-4.5's (its block's
+    grouped-query attention split by head, partial RoPE, experts split by width), Qwen3.5's drafting EAGLE-2 trees over
+    a hybrid target whose linear layers' recurrent state splits by head too (its gated attention split by head),
+    MiMo-V2-Flash's two chained modules (sliding-window layers with sinks, their KV heads split), Medusa's heads,
+    ReDrafter's recurrent drafter (beams merged into a tree) and IBM's MLP speculator (each rank its rows of the LM
+    heads), DFlash's block drafter (its layers split by head, its context projection whole on every rank). Each rank
+    holds its half of the head (and its heads' share of the head's KV), reads the target's own split embedding and LM
+    head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are one rank's: with a
+    fixed draft count the same drafts are made and kept as on one rank; greedy output equals one rank's plain output; no
+    block leaked; the ranks' processes never import transformers. EAGLE-2 (EAGLE-3's, distinct MTP modules', Qwen3.5's
+    MTP's), static, Medusa and ReDrafter trees and the MLP speculator's chains also for sampled requests, drawn from q
+    and verified against it on rank 0: the same seeds give the same tokens as one rank, and unseeded ones (each rank
+    draws from a stream seeded alike) finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0,
+    reading the target's embedding and LM head gathered whole once; rank 1 holds nothing of it. ``-graphs``: every
+    rank's steps and head passes from graphs, asked for (enforce_eager=False; on CPU their padded static inputs run
+    eagerly, each rank picking the same shapes): Qwen3.5's tree verify steps in the recurrence's tree form, its MTP
+    layer's tree levels."""
     prompts = prompts_for(8, seed=3)
     target, model, spec = head_case(request, method, tiny_llama_dir, tmp_path)
     deepseek = method.startswith("deepseek")

@@ -44,7 +44,7 @@ METHODS = CHAIN_METHODS + ("mtp3", "eagle3-tree", "mtp-tree", "eagle3-static", "
 # ReDrafter: 3 beams of 3 drafts each, merged into a prefix tree
 BEAMS = {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 3}
 TREE_METHODS = {"eagle3-tree": TREE["dynamic_tree_max_topK"], "mtp-tree": TREE["dynamic_tree_max_topK"],
-                "eagle3-static": 2, "mtp-static": 2,
+                "mtp3-tree": TREE["dynamic_tree_max_topK"], "eagle3-static": 2, "mtp-static": 2, "mtp3-static": 2,
                 "medusa": 3,  # -> nodes at depth 1 of its tree
                 "redrafter": BEAMS["redrafter_num_beams"]}
 
@@ -486,6 +486,22 @@ class DenseHead:
                 assert scores[step] == pytest.approx(float(logits.softmax(-1)[token]), abs=1e-5), (step, scores)
 
 
+    def chain_after(self, tokens: list[int]):
+        """After the committed ``tokens``: path (draft tokens) -> the head's logits [V] run densely as a chain
+        along it from the root (each step fed the draft before it)."""
+        n = len(tokens) - 1
+        root = self.first_pass(tokens, n)[:2]
+
+        @torch.inference_mode()
+        def after(path: tuple[int, ...]) -> torch.Tensor:
+            # the chain from the root again for every path: its K/V at n, n + 1, ... is this path's alone
+            feedback, normed = root[0][-1:], root[1][-1:]
+            for i, token in enumerate(path):
+                feedback, normed = self.head(torch.tensor([token]), feedback, self._meta(1, n + i))
+            return self.head.full_vocab_logits(normed)[0]
+
+        return after
+
     @torch.inference_mode()
     def check_tree(self, tokens: list[int], drafts: list[int], parents: list[int], scores: list[float], top_k: int,
                    depth: int) -> None:
@@ -496,15 +512,10 @@ class DenseHead:
         the ``top_k`` best by path log-probability the next frontier; the best ``len(drafts)`` nodes kept. Compared
         as token paths with their probabilities under their parents (a near tie, under 1e-4 apart, may go either
         way)."""
-        n = len(tokens) - 1
-        root = self.first_pass(tokens, n)[:2]
+        after = self.chain_after(tokens)
 
         def logp_after(path: tuple[int, ...]) -> torch.Tensor:
-            # the chain from the root again for every path: its K/V at n, n + 1, ... is this path's alone
-            feedback, normed = root[0][-1:], root[1][-1:]
-            for i, token in enumerate(path):
-                feedback, normed = self.head(torch.tensor([token]), feedback, self._meta(1, n + i))
-            return torch.log_softmax(self.head.full_vocab_logits(normed)[0], -1)
+            return torch.log_softmax(after(path), -1)
 
         nodes: dict[tuple[int, ...], tuple[float, float]] = {}  # path -> (path log p, p under its parent)
         frontier = [()]
@@ -542,20 +553,45 @@ class DenseHead:
         are the first nodes of ``shape`` (paths of ranks, level by level) with node (r1, .., rd) the rd-th best token
         of the head run densely as a chain along its parent's path, scored by its probability there (a near tie,
         under 1e-4 apart, may go either way)."""
-        n = len(tokens) - 1
-        root = self.first_pass(tokens, n)[:2]
+        after = self.chain_after(tokens)
         index = {path: i for i, path in enumerate(shape)}
         assert parents == [index[path[:-1]] if len(path) > 1 else -1 for path in shape[: len(drafts)]]
         for i, path in enumerate(shape[: len(drafts)]):
-            feedback, normed = root[0][-1:], root[1][-1:]
-            ancestors = [index[path[:d]] for d in range(1, len(path))]
-            for step, node in enumerate(ancestors):
-                feedback, normed = self.head(torch.tensor([drafts[node]]), feedback, self._meta(1, n + step))
-            probs = torch.softmax(self.head.full_vocab_logits(normed)[0], -1)
+            probs = torch.softmax(after(tuple(drafts[index[path[:d]]] for d in range(1, len(path)))), -1)
             top, ids = probs.topk(path[-1] + 1)
             if drafts[i] != int(ids[-1]):
                 assert abs(float(probs[drafts[i]]) - float(top[-1])) < 1e-4, (tokens, i, drafts, ids.tolist())
             assert scores[i] == pytest.approx(float(probs[drafts[i]]), abs=1e-5), (i, scores[i])
+
+class DenseModules(DenseHead):
+    """Distinct MTP modules (``num_modules`` of them) run densely from scratch: module k over the committed
+    positions 0..n-1 reading the tokens k + 1 further (a path's drafts past the committed ones) and module k - 1's
+    outputs (module 0: the target's features); the draft after a path of d tokens is module d's at position n - 1,
+    as transformers' MTP chain."""
+
+    def __init__(self, model: str, num_modules: int):
+        self.target = load_model(model)
+        self.head = load_draft_head("mtp", model, self.target, load_hf_config(model), num_modules=num_modules)
+        self.block_size, blocks = 16, 32
+        self.table = list(range(blocks))
+        allocate_kv_cache(self.target, blocks, self.block_size)
+        self.cache = allocate_kv_cache(self.head, blocks, self.block_size)
+
+    def chain_after(self, tokens: list[int]):
+        n = len(tokens) - 1
+        with torch.inference_mode():
+            features = self.head.target_features(self.target(torch.tensor(tokens[:n]), self._meta(n, 0)), [])
+
+        @torch.inference_mode()
+        def after(path: tuple[int, ...]) -> torch.Tensor:
+            seq, feedback = list(tokens) + list(path), features
+            for k in range(len(path) + 1):
+                feedback, normed = self.head.module(k, torch.tensor(seq[k + 1: n + k + 1]), feedback,
+                                                    self._meta(n, 0))
+            return self.head.heads[0].full_vocab_logits(normed[-1:])[0]
+
+        return after
+
 
 def worker_head_kv(engine, req_id: str, n: int) -> list[torch.Tensor]:
     """The head's cached K/V of the request's first ``n`` positions, read through its block table on the worker."""
@@ -627,7 +663,8 @@ def test_worker_drafts_and_head_kv_equal_a_dense_recomputation(target_dir, heads
 
 
 @pytest.mark.parametrize("method,eager", [("eagle3-tree", True), ("mtp-tree", False), ("eagle3-static", False),
-                                          ("mtp-static", True), ("eagle3-tree-wide", False)])
+                                          ("mtp-static", True), ("eagle3-tree-wide", False), ("mtp3-tree", False),
+                                          ("mtp3-static", True)])
 def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method, eager):
     """After every step, each greedy request's EAGLE-2 tree (an EAGLE-3 head's, an MTP module's: one pass per level
     over every node so far, with ancestor masks) is EAGLE-2 recomputed with the head run densely as a chain along
@@ -645,18 +682,21 @@ def test_worker_trees_equal_a_dense_eagle2(target_dir, heads, method, eager):
     engine = llm.engine
     runner = engine.executor.worker.runner
     drafter = runner.drafter
-    assert (drafter.graphs is None) == eager
+    head, _, kind = method.partition("-")
+    graphs = drafter.module_graphs if head == "mtp3" else [drafter.graphs] * (drafter.graphs is not None)
+    assert len(graphs) == (0 if eager else 3 if head == "mtp3" else 1)  # distinct modules: a graph each
     levels, replayed = [], []  # per pass over a tree's levels; per replay of the head's graphs, whether it was one
     over_nodes = drafter._over_nodes
     drafter._over_nodes = lambda *a, **kw: levels.append(1) or over_nodes(*a, **kw)
-    if not eager:
-        run = drafter.graphs.run
-        drafter.graphs.run = lambda *a, **kw: replayed.append((kw.get("ancestors") is not None, a[0].query_len)) or \
+    for g in graphs:
+        g.run = lambda *a, run=g.run, **kw: replayed.append((kw.get("ancestors") is not None, a[0].query_len)) or \
             run(*a, **kw)
     engine.executor = rec = Recorder(engine.executor)
-    head, _, kind = method.partition("-")
-    model = str(heads["accepting", "mtp"]) if head == "mtp" else str(target_dir)
-    dense = DenseHead(model, head, model if head == "mtp" else str(heads["accepting", head]))
+    if head == "mtp3":  # level k + 1 from module k, densely as transformers' MTP chain
+        dense = DenseModules(str(heads["accepting", "mtp3"]), 3)
+    else:
+        model = str(heads["accepting", "mtp"]) if head == "mtp" else str(target_dir)
+        dense = DenseHead(model, head, model if head == "mtp" else str(heads["accepting", head]))
     tok = llm.get_tokenizer()
     for prompt in PROMPTS[3:7]:
         engine.add_request(tok.encode(prompt), greedy(20))
@@ -1441,10 +1481,10 @@ def test_relaxed_acceptance_with_a_head_keeps_candidates_in_the_thinking_phase(t
     ({"num_nextn_predict_layers": 0}, "num_nextn_predict_layers=0 must be an int >= 1"),
     ({"num_nextn_predict_layers": 4, "num_speculative_tokens": 2}, r"num_nextn_predict_layers=4 but the checkpoint "
                                                                    r".* has 3 MTP module"),
-    ({**TREE, "num_speculative_tokens": 3}, r"use_dynamic_tree=True with num_nextn_predict_layers=3: .* set "
-                                            r"num_nextn_predict_layers=1"),
-    ({"speculative_token_tree": STATIC, "num_speculative_tokens": 3}, "a speculative_token_tree with "
-                                                                      "num_nextn_predict_layers=3"),
+    ({**TREE, "dynamic_tree_depth": 4}, r"dynamic_tree_depth is 4 with num_nextn_predict_layers=3: .* at most 3 "
+                                        r"levels, or num_nextn_predict_layers=1"),
+    ({"speculative_token_tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 1]]},
+     r"the speculative_token_tree's deepest path is 4 with num_nextn_predict_layers=3"),
     ({**TREE, "speculative_token_tree": [[0]], "num_nextn_predict_layers": 1}, "both use_dynamic_tree=True and a "
                                                                                "speculative_token_tree"),
     ({"speculative_token_tree": "[(0,), (x,)]", "num_nextn_predict_layers": 1}, "neither JSON .* nor a Python literal"),
@@ -1485,9 +1525,21 @@ def test_static_tree_options_read_vllm_and_tensorrt_llm_forms():
 
 def test_distinct_mtp_modules_write_no_kv_past_the_committed_tokens(target_dir, heads):
     """Module k drafts at the last committed position (it reads the draft before it as its token), so no slots
-    are reserved past the verified drafts, unlike one module drafting K positions ahead."""
+    are reserved past the verified drafts, unlike one module drafting K positions ahead. Their trees' level k + 1
+    places the nodes of depths 1..k from k positions before the root's: past it only where they outnumber k."""
+    from specray.config import SpeculativeConfig
+    from specray.drafters import registry
+
     engines = {m: make_llm(target_dir, heads, "accepting", m).engine for m in ("mtp", "mtp3")}
     assert engines["mtp"].scheduler.config.worker_writes_kv and not engines["mtp3"].scheduler.config.worker_writes_kv
+    for tree, slots in ((TREE, 2), ({**TREE, "dynamic_tree_max_topK": 1}, 0), ({"speculative_token_tree": STATIC}, 2),
+                        ({"speculative_token_tree": [[0], [0, 0], [0, 0, 0]]}, 0)):
+        spec = SpeculativeConfig.from_any({"method": "mtp", "num_nextn_predict_layers": 3, **tree})
+        registry.check(spec)
+        assert registry.worker_lookahead_slots(spec) == slots and registry.worker_writes_kv(spec) == (slots > 0)
+        one = SpeculativeConfig.from_any({"method": "mtp", **tree})
+        registry.check(one)
+        assert registry.worker_lookahead_slots(one) > slots and registry.worker_writes_kv(one)  # one module's
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------------
@@ -1580,7 +1632,7 @@ def sampled_pvalue(target_dir, heads, method, prompt, expected: dict, n: int = 8
     return chi2_pvalue(observed, np.array([expected.get(key, 0.0) for key in keys]))
 
 
-@pytest.mark.parametrize("method", METHODS + ("eagle3+suffix",))
+@pytest.mark.parametrize("method", METHODS + ("eagle3+suffix", "mtp3-tree", "mtp3-static"))
 def test_sampled_output_keeps_the_target_distribution(target_dir, heads, looping_prompt, target_triples, method):
     """The first three sampled tokens' joint frequencies fit p(x0) p(x1 | x0) p(x2 | x0 x1) of the target. Eight
     methods at a 1e-3 threshold fail somewhere by chance about once in 125 runs, and a device draws other streams
@@ -1647,7 +1699,7 @@ def test_sampled_output_keeps_the_target_distribution_when_drawn_chains_and_tree
     assert pvalue > 1e-3
 
 
-@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree", "eagle3-static", "medusa", "redrafter"])
+@pytest.mark.parametrize("method", ["eagle3-tree", "mtp-tree", "eagle3-static", "medusa", "redrafter", "mtp3-tree"])
 def test_sampled_requests_trees_are_drawn_from_q_and_verified_against_it(target_dir, heads, looping_prompt,
                                                                          monkeypatch, method):
     """EAGLE-2's (an EAGLE-3 head's, an MTP module's), a static tree's, Medusa's and ReDrafter's trees for sampled

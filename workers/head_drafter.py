@@ -61,6 +61,7 @@ import hashlib
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -129,6 +130,7 @@ class StaticShape:
                                 [siblings[self.parents[i] + 1].index(i) for i in nodes]))
             self.widths.append((1 + max(self.paths[i][-1] for i in nodes), max(len(k) for k in siblings.values())))
         self._on: dict[torch.device, list[tuple[torch.Tensor, ...]]] = {}
+        self._parents: dict[torch.device, torch.Tensor] = {}
 
     def on(self, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         """Each level's (parents, rows, place, rank, sibling) as index tensors on ``device``, made once."""
@@ -136,6 +138,12 @@ class StaticShape:
             self._on[device] = [tuple(torch.tensor(x, dtype=torch.long, device=device) for x in level)
                                 for level in self.levels]
         return self._on[device]
+
+    def parents_on(self, device: torch.device) -> torch.Tensor:
+        """Every node's parent (-1: the root) [nodes] on ``device``, made once."""
+        if device not in self._parents:
+            self._parents[device] = torch.tensor(self.parents, dtype=torch.long, device=device)
+        return self._parents[device]
 
 
 @dataclass(frozen=True)
@@ -491,7 +499,10 @@ class HiddenStateDrafter(DrawsFromQ):
         rope = self._rope(inputs, [range(w.start, w.start + len(w.tokens)) for w in work], device)
         if self.tail_positions:
             ids = torch.tensor(tokens, dtype=torch.long, device=device)
-            return self._chained(plan, work, source, ids, features, (lens, starts, work_tables, rope), out,
+            rows = (lens, starts, work_tables, rope)
+            if self.tree is not None:
+                return self._module_trees(plan, work, source, ids, features, rows, out, params, images)
+            return self._chained(plan, work, source, ids, features, rows, out,
                                  self._draw(plan, _asked(work), params, self.head.device), images)
         feedback, normed = self._pass(tokens, features, lens, starts, work_tables, images[0], rope)
         drafting = [w for w in work if w.drafts > 0]
@@ -533,34 +544,20 @@ class HiddenStateDrafter(DrawsFromQ):
     def _chained(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...], ids: torch.Tensor,
                  features: torch.Tensor, rows: tuple, out: list[Drafted | None], draw: _Draw | None,
                  images: list[tuple[torch.Tensor, ...] | None]) -> list[Drafted | None]:
-        """Distinct MTP modules over the first pass's rows (``rows``: their lens, starts, block tables and multimodal
-        RoPE ids): module k + 1 reads module k's outputs and the tokens one further (each request's last row: module
-        k's draft); draft k + 1 is module k's argmax at the last row (for a sampled request, drawn from module k's q
-        there). Each module's pass replays its graph where the rows have a graph's shape and no image or multimodal
-        RoPE id, else all run eagerly over one metadata."""
-        device = ids.device
-        lens, starts, tables, rope = rows
-        ends = torch.tensor(list(itertools.accumulate(lens)), device=device) - 1
+        """Distinct MTP modules' chains (:meth:`_over_rows`): draft k + 1 is module k's argmax at each request's
+        last row (for a sampled request, drawn from module k's q there), module k + 1's token at that row."""
+        ends = torch.tensor(list(itertools.accumulate(rows[0])), device=ids.device) - 1
         tokens, confs, qs = [], [], []
         everyone = list(range(len(work)))
-        plain = rope is None and all(embeds is None for embeds in images)
-        decode = max(lens) <= SHORT_QUERY_MAX  # the tokens just committed (a prompt's rows: more)
-        shape = self.module_graphs[0].shape(lens, starts, decode) if self.module_graphs and plain else None
-        meta = None
-        if shape is None:
-            meta = build_attention_metadata(lens, starts, tables, self.block_size, device)
-            meta.with_rope_positions(rope)
-        for k in range(self.head.num_modules):
-            if meta is None:
-                features, (normed,) = self.module_graphs[k].run(shape, ids, lens, starts, tables, (features,))
-            else:
-                meta.input_embeds = images[k]  # the image rows module k's tokens take
-                features, normed = self.head.module(k, ids, features, meta)
+
+        def chain(k: int, feedback: torch.Tensor, normed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             conf, tok, probs = self._pick(normed.index_select(0, ends), draw, everyone)  # [B]: draft k + 1
             tokens.append(tok)
             confs.append(conf)
             qs.append(probs)
-            ids = ids.roll(-1).index_copy(0, ends, tok)  # t[p+2+k] for module k + 1 (a request's last row: its draft)
+            return ids.roll(-1).index_copy(0, ends, tok)  # t[p+2+k] for module k + 1 (the last row: its draft)
+
+        self._over_rows(ids, features, rows, images, chain)
         self._keep_tails(plan, work, source)
         if not any(w.drafts for w in work):
             return out
@@ -572,6 +569,67 @@ class HiddenStateDrafter(DrawsFromQ):
                 assert w.drafts <= len(ids_), (w.drafts, len(ids_))
                 out[w.chunk] = Drafted([int(t) for t in ids_[: w.drafts]], scores=None if d else p[: w.drafts])
         return out
+
+    def _module_trees(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...], ids: torch.Tensor,
+                      features: torch.Tensor, rows: tuple, out: list[Drafted | None],
+                      params: dict[str, SamplingParams] | None, images: list[tuple[torch.Tensor, ...] | None]
+                      ) -> list[Drafted | None]:
+        """Distinct MTP modules' token trees: every module over the first pass's rows (:meth:`_over_rows`: their
+        K/V at the committed positions), then the trees as one module's (:meth:`_trees`), level k + 1 from module k
+        (:class:`_ModuleLevels`). A request whose first pass holds fewer than ``num_modules - 1`` rows (a sequence
+        that short, or a prompt all but its last tokens from cached blocks) lacks module k's output at position
+        root - 1 - k and drafts nothing this step."""
+        ends = [end - 1 for end in itertools.accumulate(rows[0])]
+        last = self.tail_positions  # module k < last: its output at position root - 1 - k is a level's root row
+        kept, first = [], []
+
+        def roots(k: int, feedback: torch.Tensor, normed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            if k == 0:
+                first.append(normed.index_select(0, _index(ends, ids.device)))
+            if k < last:
+                kept.append(feedback.index_select(0, _index([max(e - k, 0) for e in ends], ids.device)))
+            return ids.roll(-1)  # the last k rows' tokens are drafts: the tree's passes place them instead
+
+        self._over_rows(ids, features, rows, images, roots)
+        self._keep_tails(plan, work, source)
+        drafting = [j for j, w in enumerate(work) if w.drafts > 0 and len(w.tokens) >= last]
+        if not drafting:
+            return out
+        index = _index(drafting, ids.device)
+        module_roots = torch.stack(kept, dim=1).index_select(0, index)  # [B, M - 1, H]
+        drafters = [work[j] for j in drafting]
+        inputs = self._inputs(plan, drafters)
+        made = self._trees(plan, drafters, [rows[2][j] for j in drafting],
+                           [w.start + len(w.tokens) for w in drafters], module_roots[:, 0],
+                           first[0].index_select(0, index), self._draw(plan, _asked(drafters), params, ids.device),
+                           inputs, module_roots)
+        for w, drafted in zip(drafters, made):
+            out[w.chunk] = drafted
+        return out
+
+    def _over_rows(self, ids: torch.Tensor, features: torch.Tensor, rows: tuple,
+                   images: list[tuple[torch.Tensor, ...] | None],
+                   then: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Distinct MTP modules over the first pass's rows (``rows``: their lens, starts, block tables and
+        multimodal RoPE ids): module k + 1 reads module k's outputs and the tokens one further, ``then(k, feedback,
+        normed, ids)`` giving them (each request's last row: module k's draft, or anything where a tree's passes
+        follow). Each module's pass replays its graph where the rows have a graph's shape and no image or multimodal
+        RoPE id, else all run eagerly over one metadata."""
+        lens, starts, tables, rope = rows
+        plain = rope is None and all(embeds is None for embeds in images)
+        decode = max(lens) <= SHORT_QUERY_MAX  # the tokens just committed (a prompt's rows: more)
+        shape = self.module_graphs[0].shape(lens, starts, decode) if self.module_graphs and plain else None
+        meta = None
+        if shape is None:
+            meta = build_attention_metadata(lens, starts, tables, self.block_size, ids.device)
+            meta.with_rope_positions(rope)
+        for k in range(self.head.num_modules):
+            if meta is None:
+                features, (normed,) = self.module_graphs[k].run(shape, ids, lens, starts, tables, (features,))
+            else:
+                meta.input_embeds = images[k]  # the image rows module k's tokens take
+                features, normed = self.head.module(k, ids, features, meta)
+            ids = then(k, features, normed, ids)
 
     def _keep_tails(self, plan: StepPlan, work: list[_Row], source: tuple[torch.Tensor, ...]) -> None:
         """Each request's last ``tail_positions`` positions (their tokens and target rows), for the next first pass."""
@@ -695,37 +753,39 @@ class HiddenStateDrafter(DrawsFromQ):
 
     def _trees(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
                feedback: torch.Tensor, normed: torch.Tensor, draw: _Draw | None,
-               inputs: list[MultiModalInputs | None] | None = None) -> list[Drafted]:
-        """Greedy requests' trees by :meth:`_tree`, sampled ones' by :meth:`_sampled_tree`, each group in one
-        batch (``inputs``: as :meth:`_chain`'s)."""
+               inputs: list[MultiModalInputs | None] | None = None, module_roots: torch.Tensor | None = None
+               ) -> list[Drafted]:
+        """Greedy requests' trees by :meth:`_tree` (or :meth:`_static_tree`), sampled ones' by
+        :meth:`_sampled_tree` (or :meth:`_static_tree`), each group in one batch (``inputs``: as :meth:`_chain`'s;
+        ``module_roots`` [B, M - 1, H]: distinct MTP modules' outputs at their levels' root rows, where they draft)."""
         sampled = [] if draw is None else draw.sampled
         static = isinstance(self.tree, StaticShape)
-        if not sampled:
-            if static:
-                return self._static_tree(plan, work, tables, roots, feedback, normed, inputs)
-            return self._tree(work, tables, roots, feedback, normed, inputs)
-        drawn = set(sampled)
-        greedy = [j for j in range(len(work)) if j not in drawn]
+        groups = [(list(range(len(work))), False)]
+        if sampled:
+            drawn = set(sampled)
+            groups = [([j for j in range(len(work)) if j not in drawn], False), (sampled, True)]
         made: list[Drafted | None] = [None] * len(work)
-        for group, from_q in ((greedy, False), (sampled, True)):
+        for group, from_q in groups:
             if not group:
                 continue
             index = _index(group, feedback.device)
+            levels = None if module_roots is None else _ModuleLevels(module_roots.index_select(0, index))
             args = ([work[j] for j in group], [tables[j] for j in group], [roots[j] for j in group],
                     feedback.index_select(0, index), normed.index_select(0, index),
                     None if inputs is None else [inputs[j] for j in group])
             batch = draw.batch(group, feedback.device) if from_q else None
             if static:
-                out = self._static_tree(plan, *args, batch)
+                out = self._static_tree(plan, *args, batch, levels=levels)
             else:
-                out = self._sampled_tree(plan, *args, batch) if from_q else self._tree(*args)
+                out = (self._sampled_tree(plan, *args, batch, levels=levels) if from_q
+                       else self._tree(*args, levels=levels))
             for j, drafted in zip(group, out):
                 made[j] = drafted
         return made
 
     def _sampled_tree(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
                       feedback: torch.Tensor, normed: torch.Tensor, inputs: list[MultiModalInputs | None] | None,
-                      batch: SamplingBatch) -> list[Drafted]:
+                      batch: SamplingBatch, levels: "_ModuleLevels | None" = None) -> list[Drafted]:
         """Sampled requests' trees drawn from q (the module docstring): the root's ``top_k`` children drawn without
         replacement from its q; then ``depth - 1`` times, the level's ``top_k`` slots shared out among the last
         level's nodes by the score each one's path and q promise its j-th child, each node drawing as many children
@@ -746,7 +806,8 @@ class HiddenStateDrafter(DrawsFromQ):
         node_features, ancestors, frontier, node_depth = _first_level(feedback, k)
         for d in range(2, depth + 1):
             n = tok.shape[1]
-            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables, inputs)
+            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables, inputs, levels,
+                                      parents)
             rows = nm.gather(1, frontier[:, :, None].expand(b, k, h)).reshape(b * k, h)
             q_f = logits_to_probs(self.head.draft_logits(rows), batch.repeat_rows(k)).view(b, k, vd)
             q_nodes[:, n - k : n] = q_f  # the frontier is the last level: nodes n - k .. n - 1
@@ -778,7 +839,8 @@ class HiddenStateDrafter(DrawsFromQ):
         return made
 
     def _tree(self, work: list[_Row], tables: list[list[int]], roots: list[int], feedback: torch.Tensor,
-              normed: torch.Tensor, inputs: list[MultiModalInputs | None] | None = None) -> list[Drafted]:
+              normed: torch.Tensor, inputs: list[MultiModalInputs | None] | None = None,
+              levels: "_ModuleLevels | None" = None) -> list[Drafted]:
         """EAGLE-2's dynamic tree per request: the root's ``top_k`` best children; then ``depth - 1`` times, every
         frontier node's ``top_k`` children, of which the ``top_k`` with the best path log-probability form the next
         frontier; finally the ``drafts`` best nodes by path log-probability (a parent's is never below its child's,
@@ -794,7 +856,8 @@ class HiddenStateDrafter(DrawsFromQ):
         node_features, ancestors, frontier, node_depth = _first_level(feedback, k)
         for d in range(2, depth + 1):
             n = tok.shape[1]
-            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables, inputs)
+            fb, nm = self._over_nodes(tok, node_features, ancestors, node_depth, roots, tables, inputs, levels,
+                                      parents)
             rows = frontier[:, :, None].expand(b, k, h)
             child_lp, child_tok = torch.log_softmax(self.head.draft_logits(nm.gather(1, rows).reshape(b * k, h)),
                                                     dim=-1).topk(k, dim=-1)  # [B*k, k]
@@ -827,7 +890,7 @@ class HiddenStateDrafter(DrawsFromQ):
 
     def _static_tree(self, plan: StepPlan, work: list[_Row], tables: list[list[int]], roots: list[int],
                      feedback: torch.Tensor, normed: torch.Tensor, inputs: list[MultiModalInputs | None] | None,
-                     batch: SamplingBatch | None = None) -> list[Drafted]:
+                     batch: SamplingBatch | None = None, levels: "_ModuleLevels | None" = None) -> list[Drafted]:
         """A static tree per request (:class:`StaticShape`), level by level, each level after the first from one head
         pass over every node so far (:meth:`_over_nodes`, as EAGLE-2's levels): a greedy request's node of rank r is
         its parent's r-th best token, scored by its probability there; a sampled request's (``batch``) parent draws
@@ -846,7 +909,8 @@ class HiddenStateDrafter(DrawsFromQ):
         for d, ((parents, rows, place, rank, sibling), (top, draws)) in enumerate(zip(shape.on(device), shape.widths),
                                                                                 start=1):
             if depth:
-                fb, nm = self._over_nodes(tok, node_features, ancestors, depth, roots, tables, inputs)
+                fb, nm = self._over_nodes(tok, node_features, ancestors, depth, roots, tables, inputs, levels,
+                                          None if levels is None else shape.parents_on(device)[: len(depth)])
                 rows_fb, rows_nm = torch.cat([feedback[:, None], fb], 1), torch.cat([normed[:, None], nm], 1)
             p, m = rows.numel(), parents.numel()
             logits = self.head.draft_logits(rows_nm.index_select(1, rows).reshape(b * p, h))
@@ -882,28 +946,40 @@ class HiddenStateDrafter(DrawsFromQ):
 
     def _over_nodes(self, tok: torch.Tensor, node_features: torch.Tensor, ancestors: torch.Tensor,
                     node_depth: list[int], roots: list[int], tables: list[list[int]],
-                    inputs: list[MultiModalInputs | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    inputs: list[MultiModalInputs | None] | None = None, levels: "_ModuleLevels | None" = None,
+                    parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass over every node of each request's tree so far (tok [B, n] draft ids, each reading its
         parent's feedback ``node_features`` [B, n, H]): a node at depth dd reads its token at head position
         root + dd - 1, seeing its ancestors (``ancestors`` [B, n, n]), in the slots from the root's on. Returns the
-        head's feedback and normed rows [B, n, H]."""
+        head's feedback and normed rows [B, n, H]. Distinct MTP modules (``levels``, with each node's parent
+        [B, n] or [n], -1: the root): module k, k the deepest level so far, over the nodes k positions earlier (its
+        rows read the tokens k further), each reading module k - 1's output at its parent's row."""
         b, n, h = node_features.shape
+        k = 0
+        if levels is not None:
+            k = node_depth[-1]
+            node_features = levels.features(k, parents)
+            roots = [r - k for r in roots]
         positions = [[r + dd - 1 for dd in node_depth] for r in roots]
         flat = [p for own in positions for p in own]
         ids, features = self.head.to_target_ids(tok).reshape(-1), node_features.reshape(b * n, h)
         rope = self._rope(inputs, positions, tok.device)
+        graphs = self.graphs if levels is None else (self.module_graphs[k] if self.module_graphs else None)
         # from a graph (the positions and ancestor masks its data) unless the head's trees take the host's help
-        graphed = self.graphs is not None and rope is None and getattr(self.head, "graph_trees", True)
-        shape = self.graphs.shape([n] * b, roots, decode=True) if graphed else None
+        graphed = graphs is not None and rope is None and getattr(self.head, "graph_trees", True)
+        shape = graphs.shape([n] * b, roots, decode=True) if graphed else None
         if shape is None:
             meta = build_attention_metadata([n] * b, list(roots), tables, self.block_size, tok.device,
                                             positions=flat, ancestors=list(ancestors))
             meta.with_rope_positions(rope)
-            fb, nm = self.head(ids, features, meta)
+            fb, nm = self.head(ids, features, meta) if levels is None else self.head.module(k, ids, features, meta)
         else:
-            fb, (nm,) = self.graphs.run(shape, ids, [n] * b, list(roots), tables, (features,), positions=flat,
-                                        ancestors=list(ancestors))
-        return fb.view(b, n, h), nm.view(b, n, h)
+            fb, (nm,) = graphs.run(shape, ids, [n] * b, list(roots), tables, (features,), positions=flat,
+                                   ancestors=list(ancestors))
+        fb, nm = fb.view(b, n, h), nm.view(b, n, h)
+        if levels is not None:
+            levels.done = fb
+        return fb, nm
 
     def _first_pass_rows(self, plan: StepPlan, kept: dict[int, list[int]], paths: dict[int, list[int]]
                          ) -> tuple[list[_Row], list[_Row]]:
@@ -928,6 +1004,27 @@ class HiddenStateDrafter(DrawsFromQ):
                        chunk.token_ids[1:real] + list(tokens), chunk.start_pos, chunk.num_next_drafts)
             (work if row.drafts else later).append(row)
         return work, later
+
+
+class _ModuleLevels:
+    """A tree's levels from distinct MTP modules (``roots`` [B, M - 1, H]: module k's output at position
+    root - 1 - k, the committed token's row before a level's nodes). Module k runs over the nodes of depths 1..k,
+    placed k positions before one module's (its rows read the tokens k further: the deepest nodes at the last
+    committed position, as a chain's draft), each node reading module k - 1's output at its parent's row: the last
+    level pass's output (``done``), or for a depth-1 node the root row's. Node features are thus read afresh at
+    every level, not carried as one module's are."""
+
+    def __init__(self, roots: torch.Tensor):
+        self.roots = roots
+        self.done: torch.Tensor | None = None  # the last level pass's feedback [B, n, H]
+
+    def features(self, k: int, parents: torch.Tensor) -> torch.Tensor:
+        """What module k's nodes read: [B, n, H] for ``parents`` [B, n] or [n] (-1: the root)."""
+        rows = self.roots[:, k - 1: k]
+        if self.done is not None:
+            rows = torch.cat((rows, self.done), dim=1)
+        b, n, h = rows.shape[0], parents.shape[-1], rows.shape[2]
+        return rows.gather(1, (parents + 1).expand(b, n)[:, :, None].expand(b, n, h))
 
 
 def _slots(cum: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
