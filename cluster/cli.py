@@ -328,6 +328,9 @@ def _add_train_draft_parser(sub) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
     p.add_argument("--medusa-num-heads", type=int, default=4, help="Medusa heads to train (--method medusa)")
+    p.add_argument("--mtp-num-modules", type=int, default=1, help="distinct MTP modules to train, module k "
+                   "drafting the token k + 2 after a position (--method mtp; serve with num_nextn_predict_layers); "
+                   "1: one module reused for every draft")
     p.add_argument("--dflash-block-size", type=int, default=8, help="DFlash's block: the sampled token and "
                    "block size - 1 drafts (--method dflash)")
     p.add_argument("--dflash-num-layers", type=int, default=1, help="DFlash's decoder layers (--method dflash)")
@@ -349,8 +352,9 @@ def cmd_train_draft(args) -> int:
                         answer_max_tokens=args.answer_max_tokens, seed=args.seed),
         train=TrainConfig(method=args.method, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab_size,
                           ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
-                          medusa_num_heads=args.medusa_num_heads, dflash_block_size=args.dflash_block_size,
-                          dflash_num_layers=args.dflash_num_layers, seed=args.seed),
+                          medusa_num_heads=args.medusa_num_heads, mtp_num_modules=args.mtp_num_modules,
+                          dflash_block_size=args.dflash_block_size, dflash_num_layers=args.dflash_num_layers,
+                          seed=args.seed),
         stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()), head_dir=args.head_dir,
         num_threads=args.num_threads)
     metrics = run(config)

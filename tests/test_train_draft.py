@@ -13,7 +13,7 @@ from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model
 from specray.training.data import DataConfig
 from specray.training.pipeline import PipelineConfig, run
-from specray.training.train import TrainConfig, build_head, unroll
+from specray.training.train import TrainConfig, build_draft, build_head, unroll
 
 PROMPTS = ["def add(a, b):", "Hello world", "The quick brown fox", "for i in range(10):", "Summarize the text",
            "Extract the names", "How are you today?", "print(i)"]
@@ -67,6 +67,39 @@ def test_unrolled_training_steps_equal_paged_drafting(target_dir, method):
             got.append(normed[0])
     for j in range(steps):
         torch.testing.assert_close(got[j], trained[j][0, r + j], rtol=1e-4, atol=1e-4)
+
+
+def test_unrolled_mtp_modules_equal_paged_drafting(target_dir):
+    """Distinct MTP modules trained as served: module k's teacher-forced output placed at R + k equals every module run
+    over positions 0..R through the paged cache (a first pass in two chunks, as a chunked prefill writes it), module k
+    reading t[q + 1 + k] and module k - 1's output, its row at R the draft k + 1 made after t[R + 1]."""
+    target = load_model(str(target_dir), pack=False)
+    config = load_hf_config(str(target_dir))
+    modules = build_draft(target, config, TrainConfig(method="mtp", mtp_num_modules=3, init_from_target=False),
+                          torch.arange(config.vocab_size))
+    with torch.no_grad():
+        for p in modules.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    allocate_kv_cache(target, 8, 16)
+    table = [5, 2, 7, 0]  # shuffled blocks
+    r = 30
+    with torch.no_grad():
+        hidden = target(ids, build_attention_metadata([40], [0], [table], 16))
+        trained = unroll(modules, ids[1:][None], hidden[:-1][None], torch.ones(1, 39, dtype=torch.bool), 1)
+        allocate_kv_cache(modules, 8, 16)
+        got = []
+        for k in range(3):
+            feeds = hidden[: r + 1] if k == 0 else feeds
+            outs = []
+            for a, b in ((0, 17), (17, r + 1)):
+                m = build_attention_metadata([b - a], [a], [table], 16)
+                outs.append(modules.module(k, ids[a + 1 + k: b + 1 + k], feeds[a:b], m))
+            feeds = torch.cat([fb for fb, _ in outs])
+            got.append(outs[-1][1][-1])
+    assert len(trained) == 3
+    for k in range(3):
+        torch.testing.assert_close(got[k], trained[k][0, r + k], rtol=1e-4, atol=1e-4)
 
 
 def tiny_data(tmp_path) -> DataConfig:
@@ -168,18 +201,23 @@ WHOLE_MODULES = {
     "dflash": (dict(dflash_block_size=4, dflash_num_layers=1, dflash_anchors=8), 3,
                lambda head: json.loads((head / "config.json").read_text())["architectures"] == ["DFlashDraftModel"],
                {"num_speculative_tokens": 3}),
+    # three distinct MTP modules (DeepSeek's layout: model.layers.{L + k}), served as chains and as EAGLE-2 trees
+    "mtp-modules": (dict(mtp_num_modules=3), 3,
+                    lambda head: json.loads((head / "config.json").read_text())["num_nextn_predict_layers"] == 3,
+                    {"num_nextn_predict_layers": 3}),
 }
 
 
 @pytest.mark.parametrize("method", list(WHOLE_MODULES))
 def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir, method):
-    """``--method medusa``, ``redrafter``, ``mlp_speculator`` and ``dflash``: the pipeline trains the heads
-    (Medusa's), the recurrent drafter, the MLP speculator or the DFlash model on the target's own text (stopped after
-    one step and resumed from its checkpoint); each head, each teacher-forced draft step or stage or each block row
-    agrees with the target on held-out text; they are written in their public layout (FasterDecoding's, Apple's,
-    IBM's, z-lab's), and served (a token tree; chains) they keep greedy output identical while getting drafts
-    accepted."""
+    """``--method medusa``, ``redrafter``, ``mlp_speculator``, ``dflash`` and ``mtp --mtp-num-modules 3``: the
+    pipeline trains the heads (Medusa's), the recurrent drafter, the MLP speculator, the DFlash model or the MTP
+    modules on the target's own text (stopped after one step and resumed from its checkpoint); each head, each
+    teacher-forced draft step, stage or module or each block row agrees with the target on held-out text; they are
+    written in their public layout (FasterDecoding's, Apple's, IBM's, z-lab's, DeepSeek's), and served (a token tree;
+    chains; distinct modules' chains and trees) they keep greedy output identical while getting drafts accepted."""
     options, steps, written, serving = WHOLE_MODULES[method]
+    method = method.partition("-")[0]
     data = tiny_data(tmp_path)
     train = dict(method=method, lr=3e-3, tokens_per_batch=512, warmup_steps=5, checkpoint_every=5,
                  eval_fraction=0.15, **options)
@@ -198,6 +236,11 @@ def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir
 
     stats = served_like_plain(target_dir, {"method": method, "model": str(out / "head"), "adaptive": False, **serving})
     assert stats.accepted_tokens > 0, stats.as_dict()
+    if "num_nextn_predict_layers" in serving:  # distinct modules' trees too
+        tree = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "dynamic_tree_depth": 3}
+        stats = served_like_plain(target_dir, {"method": method, "model": str(out / "head"), "adaptive": False,
+                                               **serving, **tree})
+        assert stats.accepted_tokens > 0, stats.as_dict()
 
 
 @pytest.mark.parametrize("make_bad, match", [

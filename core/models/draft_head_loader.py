@@ -374,26 +374,31 @@ def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) 
     return kwargs
 
 
-def save_draft_head(head: DraftHead, folder: str | os.PathLike, config: dict[str, Any], *, with_lm_head: bool = True,
-                    dtype: torch.dtype = torch.float16) -> None:
+def save_draft_head(head: DraftHead | ChainedModules, folder: str | os.PathLike, config: dict[str, Any], *,
+                    with_lm_head: bool = True, dtype: torch.dtype = torch.float16) -> None:
     """Write ``head`` as a public-layout checkpoint folder (``config.json`` + ``model.safetensors``); an EAGLE-3
     head without ``with_lm_head`` leaves its LM head out (the target's rows are used when it loads); an MTP head
-    in DeepSeek-V3's names (``model.layers.{L}.*``), which :func:`load_draft_head` reads back."""
+    in DeepSeek-V3's names (``model.layers.{L}.*``; distinct modules, module k at ``model.layers.{L + k}.*``), which
+    :func:`load_draft_head` reads back."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = head.state_for_saving()
+    modules = list(head.heads) if isinstance(head, ChainedModules) else [head]
+    if head.layout.name == "mtp":
+        layers = _num_target_layers(head)
+        tensors = {name: tensor for k, module in enumerate(modules)
+                   for name, tensor in _mtp_checkpoint_names(module.state_for_saving(), layers + k).items()}
+    else:
+        tensors = head.state_for_saving()
     if not with_lm_head:
         tensors.pop("lm_head.weight", None)
-    if head.layout.name == "mtp":
-        tensors = _mtp_checkpoint_names(tensors, _num_target_layers(head))
     tensors = {k: (v if k == "d2t" else v.to(dtype)) for k, v in tensors.items()}
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _num_target_layers(head: DraftHead) -> int:
+def _num_target_layers(head: DraftHead | ChainedModules) -> int:
     """The target's decoder layer count, which numbers an MTP layer (the head's own config may be a one-layer one,
     as ``specray train-draft`` builds it)."""
     layers = getattr(getattr(head.target, "config", None), "num_hidden_layers", None)

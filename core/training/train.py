@@ -22,13 +22,13 @@ import logging
 import math
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specray.models.draft_head import DraftHead, eagle3_aux_layers
+from specray.models.draft_head import ChainedModules, DraftHead, eagle3_aux_layers
 from specray.models.draft_head_loader import target_head_rows
 from specray.models.layers import apply_rotary
 from specray.training.features import FeatureStore
@@ -55,6 +55,10 @@ class TrainConfig:
     checkpoint_every: int = 25
     init_from_target: bool = True  # start the decoder layer from the target's last layer
     medusa_num_heads: int = 4  # Medusa: the heads trained (head k predicts the token k + 2 after a position)
+    # MTP: distinct modules trained (module k reads module k - 1's output and predicts the token k + 2 after a
+    # position, as DeepSeek trains them; served with num_nextn_predict_layers); 1: one module reused for every draft
+    # step, trained with the training-time test
+    mtp_num_modules: int = 1
     dflash_block_size: int = 8  # DFlash: the block (the sampled token and block_size - 1 drafts)
     dflash_num_layers: int = 1  # DFlash: its decoder layers
     dflash_anchors: int = 16  # DFlash: blocks trained per sample per step
@@ -64,10 +68,12 @@ class TrainConfig:
         if self.method not in ("eagle", "eagle3", "mtp", "medusa", "redrafter", "mlp_speculator", "dflash"):
             raise ValueError(f"method={self.method!r}: train-draft trains 'eagle', 'eagle3', 'mtp', 'medusa', "
                              "'redrafter', 'mlp_speculator' or 'dflash' heads")
+        if self.mtp_num_modules > 1 and self.method != "mtp":
+            raise ValueError(f"mtp_num_modules={self.mtp_num_modules} is for method='mtp' (got {self.method!r})")
         if self.dflash_block_size < 2:
             raise ValueError(f"dflash_block_size={self.dflash_block_size} must be >= 2 (the sampled token and a draft)")
         for name in ("draft_vocab_size", "ttt_steps", "eval_steps", "tokens_per_batch", "checkpoint_every",
-                     "medusa_num_heads", "dflash_num_layers", "dflash_anchors"):
+                     "medusa_num_heads", "mtp_num_modules", "dflash_num_layers", "dflash_anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.eval_fraction < 1:
@@ -145,6 +151,15 @@ def build_head(target, target_config, config: TrainConfig, vocab_ids: torch.Tens
     return head
 
 
+def build_draft(target, target_config, config: TrainConfig, vocab_ids: torch.Tensor) -> DraftHead | ChainedModules:
+    """:func:`build_head`, or for MTP with ``mtp_num_modules`` > 1 that many fresh modules, chained (each seeded
+    apart)."""
+    if config.mtp_num_modules == 1:
+        return build_head(target, target_config, config, vocab_ids)
+    return ChainedModules([build_head(target, target_config, replace(config, seed=config.seed + k), vocab_ids)
+                           for k in range(config.mtp_num_modules)])
+
+
 def _init_from_target_layer(head: DraftHead, target) -> None:
     """Start the head's layer from the target's last decoder layer (its hidden-feature half, for EAGLE-3's 2H
     qkv), and its final norm from the target's."""
@@ -205,10 +220,34 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     return out.transpose(1, 2).reshape(b, t, hq * d)
 
 
-def unroll(head: DraftHead, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, steps: int
-           ) -> list[torch.Tensor]:
+def unroll(head: DraftHead | ChainedModules, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
+           steps: int) -> list[torch.Tensor]:
     """The head's normed output [B, T, H] of each of ``steps`` draft steps, teacher-forced on the tokens.
-    next_ids [B, T]: t[q + 1]; features [B, T, F*H]: the target's (EAGLE-3: the three layers' residual streams)."""
+    next_ids [B, T]: t[q + 1]; features [B, T, F*H]: the target's (EAGLE-3: the three layers' residual streams).
+    Distinct MTP modules: :func:`unroll_modules` (one step per module)."""
+    if isinstance(head, ChainedModules):
+        return unroll_modules(head, next_ids, features, valid)
+    return [hidden for _, hidden in _unrolled(head, next_ids, features, valid, steps)]
+
+
+def unroll_modules(modules: ChainedModules, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor
+                   ) -> list[torch.Tensor]:
+    """Distinct MTP modules teacher-forced, as DeepSeek trains them and serving runs them over committed positions:
+    module k at q reads t[q + 1 + k] and module k - 1's output at q (module 0: the target's feature), attending
+    causally to its own K/V. Module k's normed output is returned placed at q + k, where step k of
+    :func:`unroll` puts the draft made k positions after its root (so the same labels and chain estimate apply)."""
+    t = next_ids.shape[1]
+    feature, outs = features, []
+    for k, module in enumerate(modules.heads):
+        ids = F.pad(next_ids[:, k:], (0, k))  # t[q + 1 + k]; past the end 0 (those rows have no label)
+        [(feature, hidden)] = _unrolled(module, ids, feature, valid, 1)
+        outs.append(F.pad(hidden, (0, 0, k, 0))[:, :t])
+    return outs
+
+
+def _unrolled(head: DraftHead, next_ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, steps: int
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`unroll`'s steps, each as (feedback, normed) [B, T, H]."""
     b, t = next_ids.shape
     layer = head.layers[0]
     attn = layer.self_attn
@@ -233,7 +272,7 @@ def unroll(head: DraftHead, next_ids: torch.Tensor, features: torch.Tensor, vali
         a = ttt_attention(q, keys, values, valid, attn.attn.scale)
         out = layer.after_attention(attn.o_proj(a.reshape(b * t, -1)), residual.reshape(b * t, -1)).view(b, t, -1)
         feedback, hidden = head.finish(out)
-        outs.append(hidden)
+        outs.append((feedback, hidden))
         feature = F.pad(feedback, (0, 0, 1, 0))[:, :t]  # step j + 1 at q reads step j's output at q - 1
     return outs
 
@@ -291,11 +330,13 @@ def _load(batch: list[int], store: FeatureStore, feats: np.ndarray, labels: np.n
 # ---------------------------------------------------------------------------------------------- training
 
 
-def _losses(head: DraftHead, batch: _Batch, steps: int, t2d: torch.Tensor, decay: float
+def _losses(head: DraftHead | ChainedModules, batch: _Batch, steps: int, t2d: torch.Tensor, decay: float
             ) -> tuple[torch.Tensor, list[float], list[torch.Tensor]]:
     """The weighted loss, per-step agreement on the answer positions, and per step a [B, T] bool of where the
-    head's draft equals the target's label (for the chain estimate)."""
+    head's draft equals the target's label (for the chain estimate). Distinct MTP modules: a step per module."""
     outs = unroll(head, batch.next_ids, batch.features, batch.valid, steps)
+    if isinstance(head, ChainedModules):
+        head = head.heads[0]  # every module's logits: the target's LM head
     loss = torch.zeros(())
     accs, correct = [], []
     t = batch.next_ids.shape[1]
@@ -304,7 +345,8 @@ def _losses(head: DraftHead, batch: _Batch, steps: int, t2d: torch.Tensor, decay
         rows = (batch.labels >= 0) & (pos[None, :] >= j)
         logits = head.lm_head(hidden) if head.lm_head is not None else head.target.compute_logits(
             hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
-        target_ids = t2d[batch.labels.clamp(min=0)]
+        # the label's class: its place in the draft vocabulary (EAGLE-3's own LM head), else the target id itself
+        target_ids = batch.labels.clamp(min=0) if head.lm_head is None else t2d[batch.labels.clamp(min=0)]
         in_vocab = rows & (target_ids >= 0)
         if in_vocab.any():
             loss = loss + decay ** j * F.cross_entropy(logits[in_vocab].float(), target_ids[in_vocab])
@@ -352,7 +394,7 @@ def train(target, target_config, store: FeatureStore, prompt_lens: list[int], co
         train_tokens = np.concatenate([np.asarray(labels[store.offsets[i] : store.offsets[i] + store.lengths[i]])
                                        for i in train_ids])
         vocab_ids = draft_vocabulary(train_tokens, config.draft_vocab_size, target_config.vocab_size)
-    head = build_head(target, target_config, config, vocab_ids)
+    head = build_draft(target, target_config, config, vocab_ids)
     t2d = torch.full((target_config.vocab_size,), -1, dtype=torch.long)
     t2d[vocab_ids] = torch.arange(len(vocab_ids))
     params = [p for p in head.parameters() if p.requires_grad]
@@ -428,15 +470,16 @@ def evaluate(head: DraftHead, store: FeatureStore, eval_ids: list[int], feats, l
     """Held-out agreement with the target per draft step (answer positions, teacher-forced: step j's accuracy
     given steps < j right), and a chain's mean accepted length (drafts kept + the target's own token)."""
     head.eval()
-    sums = [0.0] * config.eval_steps
-    counts = [0] * config.eval_steps
+    steps = getattr(head, "num_modules", config.eval_steps)  # distinct MTP modules: a chain of one draft each
+    sums = [0.0] * steps
+    counts = [0] * steps
     kept, positions = 0.0, 0
     for batch_ids in _batches(eval_ids, store, config.tokens_per_batch, None):
         batch = _load(batch_ids, store, feats, labels, prompt_lens)
-        _, accs, correct = _losses(head, batch, config.eval_steps, t2d, config.step_decay)
+        _, accs, correct = _losses(head, batch, steps, t2d, config.step_decay)
         t = batch.next_ids.shape[1]
         pos = torch.arange(t)
-        for j in range(config.eval_steps):
+        for j in range(steps):
             rows = (batch.labels >= 0) & (pos[None, :] >= j) & batch.answer
             sums[j] += float(correct[j][rows].float().sum())
             counts[j] += int(rows.sum())
@@ -448,7 +491,8 @@ def evaluate(head: DraftHead, store: FeatureStore, eval_ids: list[int], feats, l
             "mean_accepted_length": 1 + kept / max(positions, 1), "eval_positions": positions}
 
 
-def _save(path: str, head: DraftHead, opt, step: int, vocab_ids: torch.Tensor, config: TrainConfig) -> None:
+def _save(path: str, head: DraftHead | ChainedModules, opt, step: int, vocab_ids: torch.Tensor,
+          config: TrainConfig) -> None:
     trainable = {k: v for k, v in head.state_dict().items() if not k.startswith("lm_head") and "rotary" not in k}
     tmp = path + ".tmp"
     torch.save({"head": trainable, "opt": opt.state_dict(), "step": step, "vocab_ids": vocab_ids,
@@ -462,10 +506,12 @@ def export(target, target_config, config: TrainConfig, out_dir: str, head_dir: s
     from specray.models.draft_head_loader import save_draft_head
 
     state = torch.load(os.path.join(out_dir, CHECKPOINT), weights_only=False)
-    head = build_head(target, target_config, config, state["vocab_ids"])
+    head = build_draft(target, target_config, config, state["vocab_ids"])
     head.load_state_dict(state["head"], strict=False)
-    save_draft_head(head, head_dir, head_config(target_config, config.method, len(state["vocab_ids"])),
-                    with_lm_head=False)
+    card = head_config(target_config, config.method, len(state["vocab_ids"]))
+    if config.method == "mtp":
+        card["num_nextn_predict_layers"] = config.mtp_num_modules  # (serving reads the modules from the weights)
+    save_draft_head(head, head_dir, card, with_lm_head=False)
     return head_dir
 
 
