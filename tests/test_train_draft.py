@@ -88,9 +88,8 @@ def test_unrolled_mtp_modules_equal_paged_drafting(target_dir):
         hidden = target(ids, build_attention_metadata([40], [0], [table], 16))
         trained = unroll(modules, ids[1:][None], hidden[:-1][None], torch.ones(1, 39, dtype=torch.bool), 1)
         allocate_kv_cache(modules, 8, 16)
-        got = []
+        got, feeds = [], hidden[: r + 1]  # module 0 reads the target's rows, module k module k - 1's
         for k in range(3):
-            feeds = hidden[: r + 1] if k == 0 else feeds
             outs = []
             for a, b in ((0, 17), (17, r + 1)):
                 m = build_attention_metadata([b - a], [a], [table], 16)
