@@ -601,8 +601,8 @@ class HiddenStateDrafter(DrawsFromQ):
         inputs = self._inputs(plan, drafters)
         made = self._trees(plan, drafters, [rows[2][j] for j in drafting],
                            [w.start + len(w.tokens) for w in drafters], module_roots[:, 0],
-                           first[0].index_select(0, index), self._draw(plan, _asked(drafters), params, ids.device),
-                           inputs, module_roots)
+                           first[0].index_select(0, index),
+                           self._draw(plan, _asked(drafters), params, self.head.device), inputs, module_roots)
         for w, drafted in zip(drafters, made):
             out[w.chunk] = drafted
         return out
