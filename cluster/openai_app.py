@@ -205,7 +205,8 @@ class _Choice:
     sent_chars: int = 0
     sent_tokens: int = 0
     predicted: bool = False  # it drafts from its prediction: its usage tells what came of it
-    logprob_offset: int = 0  # text_offset of the next streamed token (completions logprobs)
+    # where the next streamed token's text starts (completions logprobs' text_offset)
+    logprob_text: proto.TextCursor = field(default_factory=proto.TextCursor)
     echoed: bool = False  # the prompt went out (completions with echo=true)
     reasoning: ReasoningSplitter | None = None  # a chat choice's split of its streamed text (reasoning_parser)
     tool_stream: ToolCallStreamer | None = None  # a chat choice's tool calls, read from its streamed answer
@@ -428,9 +429,7 @@ class _CompletionFormat(_Format):
         sliced = self._token_slice(choice, start, end)
         if sliced is None:
             return None
-        result = self.logprob_fmt.completion(*sliced, self.num_logprobs, choice.logprob_offset)
-        choice.logprob_offset += sum(len(t) for t in result.tokens)
-        return result
+        return self.logprob_fmt.completion(*sliced, self.num_logprobs, choice.logprob_text)
 
     def _echo(self, choice: _Choice, text: str, logprobs: proto.CompletionLogprobs | None
               ) -> tuple[str, proto.CompletionLogprobs | None]:
@@ -443,9 +442,10 @@ class _CompletionFormat(_Format):
             prompt.text = self.logprob_fmt.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
         if logprobs is None or prompt.logprobs is None:
             return prompt.text + text, logprobs
-        head = self.logprob_fmt.echoed_prompt(prompt.token_ids, prompt.logprobs, self.num_logprobs)
-        shift = sum(len(t) for t in head.tokens)
-        choice.logprob_offset += shift  # the completion's later tokens follow the prompt's text
+        prompt_text = proto.TextCursor()
+        head = self.logprob_fmt.echoed_prompt(prompt.token_ids, prompt.logprobs, self.num_logprobs, prompt_text)
+        shift = prompt_text.chars
+        choice.logprob_text.chars += shift  # the completion's later tokens follow the prompt's text
         return prompt.text + text, proto.CompletionLogprobs(
             tokens=head.tokens + logprobs.tokens, token_logprobs=head.token_logprobs + logprobs.token_logprobs,
             top_logprobs=head.top_logprobs + logprobs.top_logprobs,

@@ -7,6 +7,7 @@ Pure data and formatting: no FastAPI, no Ray, no engine. Every validation failur
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import time
@@ -1205,6 +1206,22 @@ def sse(payload: BaseModel | dict) -> str:
 
 # ---- logprobs ------------------------------------------------------------------------------------------
 
+class TextCursor:
+    """Where the next token's text starts in a completion's text (OpenAI's ``text_offset``): the characters the
+    tokens so far complete, a token holding part of a character placed where that character starts (the bytes of a
+    character begun and not finished wait in the decoder)."""
+
+    def __init__(self, chars: int = 0):
+        self.chars = chars
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """A token of bytes ``raw``: its offset; the cursor moves past the characters it completes."""
+        at = self.chars
+        self.chars += len(self._decoder.decode(raw))
+        return at
+
+
 class LogprobFormatter:
     """Turns the engine's per-token ``{token_id: Logprob}`` maps into OpenAI's two logprob formats and vLLM's
     ``prompt_logprobs``. A token's string is its ``decoded_token`` (the engine's), else decoded here (cached)."""
@@ -1222,10 +1239,17 @@ class LogprobFormatter:
         text = None if logprob is None else logprob.decoded_token
         return self.token(token_id) if text is None else text
 
+    def _bytes(self, token_id: int, name: str) -> bytes:
+        """A token's bytes: those it stands for (a part of a character's too, whose name is U+FFFD), or with
+        ``as_token_ids`` its name's."""
+        return name.encode("utf-8") if self.as_token_ids else self.token.bytes_of(token_id)
+
     def completion(self, token_ids: list[int], logprobs: SampleLogprobs, num: int,
-                   offset: int = 0) -> CompletionLogprobs:
+                   cursor: TextCursor | None = None) -> CompletionLogprobs:
         """Legacy format: each token, its logprob, the top ``num`` alternatives plus the chosen token, and each
-        token's character offset in the generated text (starting at ``offset``)."""
+        token's character offset in the generated text, from ``cursor`` on (a stream's, carried from its earlier
+        chunks; else from 0), which it advances."""
+        cursor = TextCursor() if cursor is None else cursor
         out = CompletionLogprobs()
         for token_id, entry in zip(token_ids, logprobs):
             chosen = entry.get(token_id)
@@ -1236,16 +1260,17 @@ class LogprobFormatter:
             out.tokens.append(text)
             out.token_logprobs.append(_finite(chosen))
             out.top_logprobs.append({self._name(t, lp): _finite(lp) for t, lp in top})
-            out.text_offset.append(offset)
-            offset += len(text)
+            out.text_offset.append(cursor.advance(self._bytes(token_id, text)))
         return out
 
     def echoed_prompt(self, token_ids: list[int], logprobs: PromptLogprobs, num: int,
-                      offset: int = 0) -> CompletionLogprobs:
+                      cursor: TextCursor | None = None) -> CompletionLogprobs:
         """The legacy format for an echoed prompt: as :meth:`completion`, but the first token has no logprob and
         no alternatives (null), as nothing precedes it."""
+        cursor = TextCursor() if cursor is None else cursor
         first = self._name(token_ids[0], None)
-        out = self.completion(token_ids[1:], logprobs[1:], num, offset + len(first))
+        offset = cursor.advance(self._bytes(token_ids[0], first))
+        out = self.completion(token_ids[1:], logprobs[1:], num, cursor)
         return CompletionLogprobs(tokens=[first] + out.tokens, token_logprobs=[None] + out.token_logprobs,
                                   top_logprobs=[None] + out.top_logprobs, text_offset=[offset] + out.text_offset)
 
@@ -1276,7 +1301,7 @@ class LogprobFormatter:
 
     def _top(self, token_id: int, logprob: Logprob | None) -> TopLogprob:
         text = self._name(token_id, logprob)
-        return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode("utf-8")))
+        return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(self._bytes(token_id, text)))
 
 
 def _ranked(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:

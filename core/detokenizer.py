@@ -79,6 +79,35 @@ class IncrementalDetokenizer:
         return True
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's), character -> byte: the printable Latin-1 bytes stand for themselves and
+    the other 68 bytes, in order, for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_ALPHABET = _byte_alphabet()
+
+
+def _piece_bytes(piece: str | None, partial: bool) -> bytes | None:
+    """A vocabulary piece's bytes where the piece spells them: a sentencepiece piece (its spaces spelled U+2581), a
+    byte-fallback piece (``<0xE3>``), or for a token holding part of a character (``partial``) a byte-level BPE
+    piece (every character in its alphabet); None otherwise."""
+    if not piece:
+        return None
+    if "\u2581" in piece:
+        return piece.replace("\u2581", " ").encode("utf-8")
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if partial and all(c in _BYTE_ALPHABET for c in piece):
+        return bytes(_BYTE_ALPHABET[c] for c in piece)
+    return None
+
+
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
     """Where the earliest stop string in ``text`` ends, looking only at matches that touch its last
     ``new_len`` characters. Returns (index where the stop string starts, the stop string) or None."""
@@ -99,12 +128,27 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self._decode = decoder_for(tokenizer, skip_special_tokens=False)
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self._decode([token_id])
         return text
+
+    def bytes_of(self, token_id: int) -> bytes:
+        """The token's own bytes (OpenAI's logprob ``bytes``), so that a completion's tokens' bytes join into its
+        text: its piece's where the piece spells them (:func:`_piece_bytes`: a byte-level BPE piece, a
+        sentencepiece piece with the spaces that decoding it alone drops, a byte-fallback piece), else its text's.
+        Cached."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            text = self(token_id)
+            piece = None
+            if "\ufffd" in text or text[:1] != " ":  # part of a character, or a space decoding may have dropped
+                piece = _piece_bytes(self.tokenizer.convert_ids_to_tokens(token_id), "\ufffd" in text)
+            raw = self._bytes[token_id] = text.encode("utf-8") if piece is None else piece
+        return raw
 
     def name(self, entries) -> None:
         """Set ``decoded_token`` on every :class:`specray.outputs.Logprob` of ``entries`` (an iterable of

@@ -107,3 +107,38 @@ def test_push_all_gives_the_text_of_pushing_one_at_a_time(request, which, skip):
             assert whole.text == one.text, (prompt, output, piece)
             bulk_ok += len(pushed) < len(output)
     assert bulk_ok >= 20  # the two-decode path ran, not only the token-by-token fallback
+
+
+@pytest.mark.parametrize("which", ["tiny", "spm", "smollm2"])
+def test_logprob_bytes_join_into_the_text_and_offsets_point_into_it(request, tmp_path, which):
+    """OpenAI's logprob ``bytes``: a token holding part of a character (its text alone U+FFFD) carries the bytes it
+    stands for (a byte-level BPE piece's, a sentencepiece byte-fallback piece's), so the tokens' bytes join into the
+    text; the legacy ``text_offset`` places each token where the characters it spells start, the same when the
+    tokens come in chunks of a stream (one cursor carried over)."""
+    from specray.outputs import Logprob
+    from tests.conftest import build_spm_tokenizer
+
+    from specray.cluster.openai_protocol import LogprobFormatter, TextCursor
+
+    if which == "spm":
+        tokenizer = build_spm_tokenizer(tmp_path, "llama")
+    else:
+        tokenizer = request.getfixturevalue("tokenizer" if which == "tiny" else "smollm2_tokenizer")
+    text = "日本語の文章 Ünïcödé façade naïve 🙂 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    logprobs = [{i: Logprob(-0.5)} for i in ids]
+    fmt = LogprobFormatter(tokenizer)
+    content = fmt.chat(ids, logprobs, 1).content
+    assert sum(c.token == "\ufffd" for c in content) >= 4  # the CJK characters and the emoji split over tokens
+    whole = b"".join(bytes(c.bytes) for c in content).decode("utf-8")
+    assert whole == (" " if which == "spm" else "") + text  # (a sentencepiece tokenizer's prefix space)
+    legacy = fmt.completion(ids, logprobs, 1)
+    offsets = legacy.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] < len(whole)
+    for token, at in zip(legacy.tokens, offsets):
+        if "\ufffd" not in token:
+            assert token.strip() in whole[at: at + len(token) + 1], (token, at)
+    cursor = TextCursor(7)
+    streamed = [o for part in (slice(0, 5), slice(5, 11), slice(11, None))
+                for o in fmt.completion(ids[part], logprobs[part], 1, cursor).text_offset]
+    assert streamed == [o + 7 for o in offsets]
