@@ -87,8 +87,14 @@ class BenchConfig:
             raise ValueError("give num_requests or duration_s (how much load to send)")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests={self.num_requests} must be >= 1")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"duration_s={self.duration_s} must be > 0 seconds")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency={self.concurrency} must be >= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"request_rate={self.request_rate} must be > 0 requests per second")
         if isinstance(self.model, list) and (not self.model or not all(isinstance(m, str) and m for m in self.model)):

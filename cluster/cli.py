@@ -516,9 +516,9 @@ def cmd_generate(args) -> int:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
                               "finish_reason": c.finish_reason, "spec_stats": out.spec_stats.as_dict()}))
-        else:
-            print(f"--- prompt: {out.prompt!r}\n{c.text}\n[finish_reason={c.finish_reason}, "
-                  f"tokens={len(c.token_ids)}]")
+        else:  # (a prompt given as token ids has no text: its ids)
+            shown = repr(out.prompt) if out.prompt is not None else f"token ids {out.prompt_token_ids}"
+            print(f"--- prompt: {shown}\n{c.text}\n[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]")
     print_summary(outs, elapsed, llm.spec_stats, llm.drafter_stats)
     return 0
 
@@ -565,12 +565,13 @@ def cmd_serve(args) -> int:
 def cmd_bench_serve(args) -> int:
     from specray.cluster.bench_serve import benchmark, format_report
 
-    concurrency = args.concurrency if args.concurrency or args.request_rate else 8
+    concurrency = 8 if args.concurrency is None and args.request_rate is None else args.concurrency
     model = args.model[0] if args.model and len(args.model) == 1 else args.model
     summary = benchmark(base_url=args.base_url, model=model, prompts=read_prompts(args),
-                        num_requests=None if args.duration else args.num_requests, duration_s=args.duration,
-                        concurrency=concurrency, request_rate=args.request_rate, max_tokens=args.max_tokens,
-                        temperature=args.temperature, stream=args.stream, chat=args.chat, timeout_s=args.timeout,
+                        num_requests=None if args.duration is not None else args.num_requests,
+                        duration_s=args.duration, concurrency=concurrency, request_rate=args.request_rate,
+                        max_tokens=args.max_tokens, temperature=args.temperature, stream=args.stream,
+                        chat=args.chat, timeout_s=args.timeout,
                         api_key=args.api_key or os.environ.get("SPECRAY_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     print(json.dumps(summary) if args.json else format_report(summary))
     return 0 if summary["failed"] == 0 and summary["completed"] > 0 else 1

@@ -160,7 +160,7 @@ class LLM:
         ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts) go to the template, which declares them
         to the model (vLLM's ``LLM.chat(tools=...)``; reading calls out of the output is the caller's)."""
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = _conversations(messages)
         conversations, media = zip(*map(split_media, conversations)) if conversations else ((), ())
         for conversation in conversations:
             _check_parts(conversation)
@@ -318,6 +318,20 @@ def _progress(total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Generating", unit="req")
+
+
+def _conversations(messages) -> list:
+    """``LLM.chat``'s ``messages``: one conversation (a list of message dicts) or several (a list of them, maybe
+    none); a ValueError for anything else (a string, a list of strings), which the chat template would misread."""
+    def conversation(c) -> bool:
+        return isinstance(c, (list, tuple)) and bool(c) and all(isinstance(m, dict) for m in c)
+
+    if conversation(messages):
+        return [messages]
+    if isinstance(messages, (list, tuple)) and all(conversation(c) for c in messages):
+        return list(messages)
+    raise ValueError(f"messages={messages!r:.80} must be a conversation, a list of message dicts such as "
+                     "[{'role': 'user', 'content': 'Hello'}], or a list of such conversations")
 
 
 def _check_parts(messages: list[dict]) -> None:

@@ -46,6 +46,7 @@ def test_generate_jsonl_input(tiny_llama_dir, tmp_path, capsys):
                  "--max-model-len", "128"]) == 0
     out, err = capsys.readouterr()
     assert out.count("--- prompt") == 2 and "requests: 2" in err
+    assert "--- prompt: 'Hello world'" in out and "--- prompt: token ids [5, 6, 7]" in out
     path.write_text('{"prompt": "Hello world"}\nnot json\n')
     assert main(["generate", "--model", "/no/such/model", "--input", str(path)]) == 2  # read before the model
     assert f"{path}:2: not JSON" in capsys.readouterr().err
@@ -217,6 +218,17 @@ def test_bench_serve_against_no_server(capsys):
                "--num-requests", "2", "--concurrency", "2", "--json"])
     summary = json.loads(capsys.readouterr().out)
     assert rc == 1 and (summary["completed"], summary["failed"]) == (0, 2) and summary["errors"]
+
+
+@pytest.mark.parametrize("flags, says", [(["--concurrency", "0"], "concurrency=0 must be >= 1"),
+                                         (["--duration", "0"], "duration_s=0.0 must be > 0 seconds"),
+                                         (["--duration", "-5"], "duration_s=-5.0 must be > 0 seconds"),
+                                         (["--max-tokens", "0"], "max_tokens=0 must be >= 1"),
+                                         (["--timeout", "0"], "timeout_s=0.0 must be > 0 seconds")])
+def test_bench_serve_refuses_loads_that_send_nothing(capsys, flags, says):
+    """A load that would send nothing, wait forever or quietly run otherwise is refused before any request."""
+    assert main(["bench-serve", "--base-url", "http://127.0.0.1:9", "--prompt", "hi", *flags]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_bench_serve_against_a_keyed_server_names_the_key(capsys):

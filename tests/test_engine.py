@@ -472,6 +472,11 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     text = plain.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
                                                      add_generation_prompt=True)
     assert chat.prompt == text and len(chat.outputs[0].token_ids) == 8
+    two = plain.chat([[{"role": "user", "content": "Hello"}]] * 2, greedy(8), use_tqdm=False)  # conversations
+    assert [o.outputs[0].token_ids for o in two] == [chat.outputs[0].token_ids] * 2
+    for bad in ("Hello", ["Hello"], [[]], [[{"role": "user", "content": "Hello"}], "Hi"]):  # not message dicts
+        with pytest.raises(ValueError, match="must be a conversation, a list of message dicts"):
+            plain.chat(bad, greedy(8), use_tqdm=False)
 
 
 def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
