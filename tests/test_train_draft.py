@@ -13,7 +13,7 @@ from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model
 from specray.training.data import DataConfig
 from specray.training.pipeline import PipelineConfig, run
-from specray.training.train import TrainConfig, build_draft, build_head, unroll
+from specray.training.train import TrainConfig, build_draft, unroll
 
 PROMPTS = ["def add(a, b):", "Hello world", "The quick brown fox", "for i in range(10):", "Summarize the text",
            "Extract the names", "How are you today?", "print(i)"]
@@ -28,20 +28,27 @@ def target_dir(tmp_path_factory, make_tiny_model):
                            tie_word_embeddings=True)
 
 
+def nudged_draft(target_dir, train: TrainConfig, vocab_ids: torch.Tensor | None, seed: int):
+    """The target, its config, a fresh draft for it (:func:`build_draft`; ``vocab_ids`` None: the whole vocabulary)
+    with every weight nudged off its start, and 40 random token ids."""
+    target = load_model(str(target_dir), pack=False)
+    config = load_hf_config(str(target_dir))
+    draft = build_draft(target, config, train, torch.arange(config.vocab_size) if vocab_ids is None else vocab_ids)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(seed))
+    return target, config, draft, ids
+
+
 @pytest.mark.parametrize("method", ["eagle3", "eagle", "mtp"])
 def test_unrolled_training_steps_equal_paged_drafting(target_dir, method):
     """What training optimises is what serving runs: the training-time-test unroll's step j at position R + j
     equals a first pass over positions 0..R through the paged cache followed by j one-token draft steps, each fed
     the head's own feedback (and the true next token)."""
-    target = load_model(str(target_dir), pack=False)
-    config = load_hf_config(str(target_dir))
-    torch.manual_seed(0)
-    head = build_head(target, config, TrainConfig(method=method, draft_vocab_size=64, init_from_target=False),
-                      torch.arange(0, 128, 2))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    target, config, head, ids = nudged_draft(target_dir, TrainConfig(method=method, draft_vocab_size=64,
+                                                                      init_from_target=False),
+                                             torch.arange(0, 128, 2), seed=1)
     allocate_kv_cache(target, 8, 16)
     table = [5, 2, 7, 0]  # shuffled blocks
     with torch.no_grad():
@@ -73,14 +80,8 @@ def test_unrolled_mtp_modules_equal_paged_drafting(target_dir):
     """Distinct MTP modules trained as served: module k's teacher-forced output placed at R + k equals every module run
     over positions 0..R through the paged cache (a first pass in two chunks, as a chunked prefill writes it), module k
     reading t[q + 1 + k] and module k - 1's output, its row at R the draft k + 1 made after t[R + 1]."""
-    target = load_model(str(target_dir), pack=False)
-    config = load_hf_config(str(target_dir))
-    modules = build_draft(target, config, TrainConfig(method="mtp", mtp_num_modules=3, init_from_target=False),
-                          torch.arange(config.vocab_size))
-    with torch.no_grad():
-        for p in modules.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    target, config, modules, ids = nudged_draft(target_dir, TrainConfig(method="mtp", mtp_num_modules=3,
+                                                                         init_from_target=False), None, seed=2)
     allocate_kv_cache(target, 8, 16)
     table = [5, 2, 7, 0]  # shuffled blocks
     r = 30

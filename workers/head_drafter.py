@@ -101,11 +101,6 @@ class TreeShape:
     top_k: int
     depth: int
 
-    @property
-    def lookahead_slots(self) -> int:
-        """Slots past the root the head writes while growing the tree (every node but the deepest level's)."""
-        return self.top_k * (self.depth - 1)
-
 
 class StaticShape:
     """A static token tree (vLLM's ``speculative_token_tree``): nodes as paths of candidate ranks, level by level
