@@ -251,6 +251,33 @@ def test_a_bad_spec_is_refused_at_admission_and_harms_nobody(plain, references):
     assert runs.token_ids(outs) == references["choice"][:2]
 
 
+def test_constraints_that_leave_no_token_are_refused_or_fail_their_request_alone(plain, references, tokenizer):
+    """allowed_token_ids holding none of the grammar's first tokens, or all banned by one-token bad_words, is a
+    ValueError at admission; a grammar that runs out of allowed tokens later fails its request alone: its output comes
+    back finished with the error (none vanishes), and the requests beside it keep their output."""
+    engine = plain.engine
+    first = tokenizer.encode("yes please")
+    [seven] = tokenizer.encode("7")  # no choice starts with it
+    with pytest.raises(ValueError, match="allowed_token_ids=.* holds no token the structured output allows first"):
+        engine.add_request([5, 6, 7], constrained(SPECS["choice"], allowed_token_ids=[seven]))
+    word = tokenizer.decode([first[0]])
+    with pytest.raises(ValueError, match="are all banned by bad_words"):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, allowed_token_ids=[first[0]], bad_words=[word]))
+    assert not engine.has_unfinished_requests() and not engine._grammars
+    # the first token of "yes please" only: the grammar's second position has nothing left
+    stuck = constrained(SPECS["choice"], allowed_token_ids=[first[0]])
+    ids = [engine.add_request(tokenizer.encode(p), stuck if i == 0 else constrained(SPECS["choice"]))
+           for i, p in enumerate(runs.PROMPTS[:2])]
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert set(outs) == set(ids)
+    failed = outs[ids[0]]
+    assert failed.outputs[0].finish_reason == "error" and "structured output failed" in failed.error
+    assert outs[ids[1]].error is None and outs[ids[1]].outputs[0].token_ids == references["choice"][1]
+    assert not engine.tracked and not engine._grammars
+
+
 def test_json_object_and_penalties_and_logprobs(plain):
     """json_object gives an object; penalties shape the logits before the mask; logprobs stay the raw ones."""
     params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={"json_object": True},

@@ -147,6 +147,7 @@ class LLMEngine:
         routed = self._admit_method(params)
         grammar = (None if params.structured_outputs is None
                    else self.structured.grammar(params.structured_outputs, prompt_token_ids))
+        _check_token_constraints(params, grammar)
         self.scheduler.add_request(request)  # validates every field, the prediction's ids too
         if unused_prediction:  # not carried with the request's drafts every step
             params.prediction = None
@@ -264,7 +265,8 @@ class LLMEngine:
         if self.policy is not None and _is_decode_step(plan):
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), self.clock() - start)
         outputs += self._fail(failed)
-        touched = self._apply(plan, result)
+        touched, refused = self._apply(plan, result)
+        outputs += self._fail(refused)
         if running is not None:
             self._unreported = touched
         else:
@@ -308,14 +310,16 @@ class LLMEngine:
                                                                                              self._last_done))
         self._last_done = now
         outputs += self._fail(failed)
-        outputs += self._report(self._apply(step.plan, result))
+        touched, refused = self._apply(step.plan, result)
+        outputs += self._fail(refused) + self._report(touched)
         self._forget([o.request_id for o in outputs if o.finished])
         return outputs
 
-    def _apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """A step's result into the scheduler and the engine's records; returns the requests it touched."""
+    def _apply(self, plan: StepPlan, result: StepResult) -> tuple[list[Request], dict[str, str]]:
+        """A step's result into the scheduler and the engine's records; returns the requests it touched, and those
+        whose grammar refused a token (req_id -> why: the caller fails them, :meth:`_fail`)."""
         touched = self.scheduler.update_from_output(plan, result)
-        self._advance_grammars(touched)
+        refused = self._advance_grammars(touched)
         self._keep_worker_drafts(result)
         self._stop_worker_drafting(result.drafting_failed)
         self._record_logprobs(plan, result)
@@ -323,7 +327,7 @@ class LLMEngine:
         self._observe_acceptance(plan, result)
         self._observe_node_tokens(plan, result)
         self.num_steps += 1
-        return touched
+        return touched, refused
 
     # ---- a step that failed for some of its requests ---------------------------------------------------
     def _execute(self, plan: StepPlan, draft_probs: dict, running: StepFuture | None = None
@@ -607,13 +611,15 @@ class LLMEngine:
             for c in chunks])
         plan.token_bitmasks.update((c.req_id, m) for c, m in zip(chunks, masks))
 
-    def _advance_grammars(self, touched: list[Request]) -> None:
+    def _advance_grammars(self, touched: list[Request]) -> dict[str, str]:
         """Feed each constrained request's new output tokens to its grammar; once the grammar is complete, the
         request finishes ("stop") with the tokens up to there (a step may have kept more after them: EOS as the
-        target's own token after the last forced one, which decoding without speculation never samples). A
-        token the grammar refuses (only a fault of ours: every position was masked) fails the request alone."""
+        target's own token after the last forced one, which decoding without speculation never samples). A token
+        the grammar refuses (every token was masked: the request's own constraints, such as allowed_token_ids,
+        left the grammar none) fails the request alone: returned as req_id -> why, for :meth:`_fail`."""
+        refused: dict[str, str] = {}
         if not self._grammars:
-            return
+            return refused
         for request in touched:
             grammar = self._grammars.get(request.req_id)
             if grammar is None or grammar.terminated:
@@ -625,12 +631,13 @@ class LLMEngine:
                         break  # the stop token that ended the request (EOS): the grammar need not take it
                     logger.error("request %s: the grammar refused output token %d: %s", request.req_id, token,
                                  grammar.error)
-                    self.scheduler.abort_requests([request.req_id], reason="error")
-                    self.tracked[request.req_id].error = f"structured output failed: {grammar.error}"
+                    refused[request.req_id] = ("structured output failed: no token the grammar allows was left "
+                                               f"(token {token} came out): {grammar.error}")
                     break
                 if grammar.terminated:
                     self.scheduler.finish_request(request.req_id, grammar.num_tokens)
                     break
+        return refused
 
     def _as_priced(self, made: list[int] | DraftTree) -> list[int] | DraftTree:
         """What the policy prices for the head's drafts: a tree the worker drew from q (it carries no scores) by the
@@ -1095,6 +1102,26 @@ def _carries_state(plan: StepPlan) -> bool:
     """A plan without chunks that still tells the workers something (requests gone, new, moved or re-blocked)."""
     return bool(plan.finished_req_ids or plan.preempted_req_ids or plan.new_requests or plan.block_deltas
                 or plan.kv_moves)
+
+
+def _check_token_constraints(params: SamplingParams, grammar: RequestGrammar | None) -> None:
+    """A ValueError for constraints that leave the first output token nothing to be: ``allowed_token_ids`` all banned
+    by one-token ``bad_words``, or none of them allowed by the structured output's grammar (which would otherwise
+    sample a token of no probability, and fail the request after it started)."""
+    allowed = params.allowed_token_ids
+    if allowed is None:
+        return
+    banned = {seq[0] for seq in params.bad_words_token_ids or () if len(seq) == 1}
+    if set(allowed) <= banned:
+        raise ValueError(f"allowed_token_ids={list(allowed)[:8]} are all banned by bad_words={params.bad_words!r}: "
+                         "nothing is left to sample; allow other tokens or drop those bad words")
+    if grammar is None:
+        return
+    row = grammar.mask_row()  # bit t of word t // 32: the grammar allows token t first
+    if not any(t < 32 * len(row) and (int(row[t >> 5]) >> (t & 31)) & 1 for t in allowed):
+        raise ValueError(f"allowed_token_ids={list(allowed)[:8]} holds no token the structured output allows first "
+                         "(its grammar would be left no token): allow the tokens the output format needs, or drop "
+                         "allowed_token_ids")
 
 
 def _is_decode_step(plan: StepPlan) -> bool:
