@@ -23,7 +23,7 @@ from specray.cluster import openai_protocol as proto
 # sampling fields that pass through to the chat request as they are (OpenAI's, and vLLM's extras it accepts)
 PASSTHROUGH = ("model", "temperature", "top_p", "user", "seed", "top_k", "min_p", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "stop", "parallel_tool_calls", "metadata",
-               "structured_outputs")
+               "structured_outputs", "speculative")
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 STORE_MAX_CHARS = 256 << 20  # characters of JSON the stored responses of one store may hold, together
@@ -60,6 +60,7 @@ class ResponsesRequest(proto._Strict):
     frequency_penalty: float | None = None
     stop: str | list[str] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: a constraint, or options of text.format's
+    speculative: dict[str, Any] | None = None  # specray's per-request speculation, as on the chat route (checked there)
 
 
 def parse(body: Any) -> ResponsesRequest:

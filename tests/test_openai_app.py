@@ -1331,7 +1331,7 @@ def test_responses_api_answers_and_streams_text():
                   {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
                   {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
                   {"type": "function_call_output", "call_id": "c1", "output": "18 C"}],
-        "instructions": "Be brief.", "max_output_tokens": 9, "seed": 3,
+        "instructions": "Be brief.", "max_output_tokens": 9, "seed": 3, "speculative": {"enabled": False},
         "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
         "tool_choice": {"type": "function", "name": "get_weather"},
         "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}}))
@@ -1346,6 +1346,7 @@ def test_responses_api_answers_and_streams_text():
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
     assert (body["max_completion_tokens"], body["seed"], body["stream"]) == (9, 3, False)
+    assert body["speculative"] == {"enabled": False}  # specray's per-request speculation, as a chat request's
 
 
 def test_responses_api_tool_calls_and_reasoning_become_output_items():

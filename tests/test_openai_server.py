@@ -676,6 +676,9 @@ def test_responses_api_on_the_engine(server, client):
                                           stream=True))
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == cut.output_text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cut.output_text
+    off = client.responses.create(model=MODEL, input="Tell me a story.", temperature=0, max_output_tokens=4,
+                                  extra_body={"speculative": {"enabled": False}})  # per request, as on the chat route
+    assert off.output_text == cut.output_text and off.usage.model_extra["speculative"]["drafts"] == 0
     # a stored response continued (previous_response_id) answers as the whole conversation sent in input does
     follow = client.responses.create(model=MODEL, input="And then?", previous_response_id=cut.id, temperature=0,
                                      max_output_tokens=6)
