@@ -631,8 +631,9 @@ class LLMEngine:
                         break  # the stop token that ended the request (EOS): the grammar need not take it
                     logger.error("request %s: the grammar refused output token %d: %s", request.req_id, token,
                                  grammar.error)
-                    refused[request.req_id] = ("structured output failed: no token the grammar allows was left "
-                                               f"(token {token} came out): {grammar.error}")
+                    why = grammar.error.strip().splitlines()[:1]  # (the matcher's state follows: logged above)
+                    refused[request.req_id] = ("structured output failed: the request's constraints left the "
+                                               f"grammar no token (token {token} came out): {''.join(why)}")
                     break
                 if grammar.terminated:
                     self.scheduler.finish_request(request.req_id, grammar.num_tokens)
