@@ -402,8 +402,9 @@ class _Format:
         so far, none of its tokens yet (vLLM's)."""
         chunks = self.opening(choices)
         if continuous_usage:
+            cached = _cached_tokens(choices)  # the first output has come: its prompt's cache hit is known
             for chunk, choice in zip(chunks, choices):
-                chunk.usage = proto.make_usage(len(choice.prompt.token_ids), 0, SpecStats())
+                chunk.usage = proto.make_usage(len(choice.prompt.token_ids), 0, SpecStats(), cached[id(choice.prompt)])
         return chunks
 
     def stream_chunk(self, choice: _Choice, continuous_usage: bool = False) -> list[Any]:
@@ -754,18 +755,24 @@ class _ResponsesFormat(_ChatFormat):
         return events + [{"type": "response.output_item.done", "output_index": item["index"], "item": done}]
 
 
+def _cached_tokens(choices: list[_Choice]) -> dict[int, int]:
+    """Per prompt (by id: n choices share one), the most of it any of its choices found in the prefix cache."""
+    cached: dict[int, int] = {}
+    for c in choices:
+        cached[id(c.prompt)] = max(cached.get(id(c.prompt), 0), c.num_cached_tokens)
+    return cached
+
+
 def _usage(choices: list[_Choice]) -> proto.Usage:
-    prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}  # n choices share one prompt
-    cached: dict[int, int] = {}  # the most any of a prompt's choices found cached
+    prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}
     stats = SpecStats()
     predicted = SpecStats() if any(c.predicted for c in choices) else None
     for c in choices:
         stats.merge(c.spec_stats)
         if c.predicted:
             predicted.merge(c.spec_stats)
-        cached[id(c.prompt)] = max(cached.get(id(c.prompt), 0), c.num_cached_tokens)
     return proto.make_usage(sum(prompts.values()), sum(len(c.output.token_ids) for c in choices), stats,
-                            sum(cached.values()), predicted)
+                            sum(_cached_tokens(choices).values()), predicted)
 
 
 class _AudioTextFormat(_Format):
@@ -1303,6 +1310,7 @@ class OpenAIServing:
         req = responses.parse(body)
         store = self.response_store
         items = responses.input_items(req)
+        prior = 0
         if req.previous_response_id is not None:  # that conversation (its input and output items), then this input
             if store is None:
                 raise proto.bad_request("previous_response_id needs stored responses, and this server keeps none "
@@ -1312,14 +1320,14 @@ class OpenAIServing:
             entry = await store.get(req.previous_response_id)
             if entry is None:
                 raise responses.not_found(req.previous_response_id, "previous_response_id")
-            items = entry[0] + items
+            items, prior = entry[0] + items, len(entry[0])
             req = req.model_copy(update={"input": items})
         keep = None
         if store is not None and req.store is not False:
             async def keep(response: dict) -> None:  # the finished response (whole, or its stream's last event)
                 await store.put(response["id"], items + response["output"], response)
         try:
-            return await self._chat_completions(responses.chat_body(req), arrival, responses_req=req,
+            return await self._chat_completions(responses.chat_body(req, prior), arrival, responses_req=req,
                                                 on_response=keep)
         except proto.OpenAIError as err:
             raise responses.in_responses_terms(err) from None

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import Field, StrictBool
 
+from specray.chat import tool_call_arguments
 from specray.cluster import openai_protocol as proto
 
 # sampling fields that pass through to the chat request as they are (OpenAI's, and vLLM's extras it accepts)
@@ -170,15 +171,20 @@ def _text_of(content: Any, param: str, images: bool = False) -> str | list[dict[
     return "".join(p["text"] for p in parts)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def _messages(req: ResponsesRequest, prior: int = 0) -> list[dict[str, Any]]:
     """The chat messages of ``instructions`` and ``input``: messages, an assistant's function calls (consecutive
-    ones in one message) and their outputs as tool messages; reasoning items are left out."""
+    ones in one message) and their outputs as tool messages; reasoning items are left out. The first ``prior``
+    items are a stored conversation's (``previous_response_id``): an error names an item of the client's
+    ``input`` by its index there. A function call's output must answer a call made before it in the
+    conversation, as OpenAI requires."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
-    for i, item in enumerate(req.input):
+    calls: set[str] = set()
+    for n, item in enumerate(req.input):
+        i = n - prior
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -189,6 +195,16 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise proto.bad_request(f"input[{i}] (a function_call) needs name and call_id", f"input.{i}")
+            try:
+                tool_call_arguments(item.get("arguments"))
+            except ValueError as err:
+                if n < prior:  # a call the model made, cut short
+                    raise proto.bad_request(f"the previous response's function_call {item['call_id']!r:.80} has "
+                                            f"arguments that are not a JSON object ({err}); send the conversation in "
+                                            "input with the call's arguments completed", "previous_response_id"
+                                            ) from None
+                raise proto.bad_request(f"input[{i}].arguments: {err}", f"input.{i}.arguments") from None
+            calls.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             last = messages[-1] if messages else None
@@ -200,6 +216,11 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise proto.bad_request(f"input[{i}] (a function_call_output) needs call_id and output", f"input.{i}")
+            if item["call_id"] not in calls:
+                raise proto.bad_request(f"input[{i}].call_id={item['call_id']!r:.80} answers no function_call "
+                                        "before it in the conversation; send the function_call item (or the "
+                                        "previous_response_id of the response that made it) before its output",
+                                        f"input.{i}.call_id")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text_of(output, f"input.{i}.output")})
         elif kind != "reasoning":
@@ -269,10 +290,11 @@ def in_responses_terms(err: proto.OpenAIError) -> proto.OpenAIError:
     return proto.OpenAIError(err.status, rename(err.message), err.type, rename(err.param), err.code)
 
 
-def chat_body(req: ResponsesRequest) -> dict[str, Any]:
-    """The chat completion request that answers ``req``."""
+def chat_body(req: ResponsesRequest, prior: int = 0) -> dict[str, Any]:
+    """The chat completion request that answers ``req``, whose first ``prior`` input items are a stored
+    conversation's."""
     body: dict[str, Any] = {k: getattr(req, k) for k in PASSTHROUGH if getattr(req, k) is not None}
-    body["messages"] = _messages(req)
+    body["messages"] = _messages(req, prior)
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
     if req.tools:

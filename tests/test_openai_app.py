@@ -41,13 +41,14 @@ class FakeTokenizer:
 
 class FakeEngineClient:
     """Emits ``tokens`` outputs per request once ``gate`` opens; ``fail_after`` raises an engine failure after
-    that many outputs."""
+    that many outputs; ``cached``: the prompt tokens each request finds in the prefix cache."""
 
     max_model_len = 64
     tokenizer = FakeTokenizer()
 
-    def __init__(self, tokens: int = 3, fail_after: int | None = None):
+    def __init__(self, tokens: int = 3, fail_after: int | None = None, cached: int = 0):
         self.tokens = tokens
+        self.cached = cached
         self.fail_after = fail_after
         self.loop: asyncio.AbstractEventLoop | None = None
         self.gate: asyncio.Event | None = None
@@ -82,7 +83,8 @@ class FakeEngineClient:
             done = n == self.tokens
             out = CompletionOutput(0, "x" * n, list(range(n)), finish_reason="length" if done else None)
             stats = SpecStats(drafts=n, draft_tokens=2 * n, accepted_tokens=n, accepted_per_position=[n])
-            yield RequestOutput(req_id, prompt, prompt_token_ids, [out], finished=done, spec_stats=stats)
+            yield RequestOutput(req_id, prompt, prompt_token_ids, [out], finished=done, spec_stats=stats,
+                                num_cached_tokens=self.cached)
 
     async def engine_state(self) -> dict:
         return {"free_blocks": 1, "total_blocks": 1, "used_blocks": 0, "num_waiting": 0, "num_running": 0}
@@ -401,9 +403,9 @@ def test_n_choices_stream_interleaved_with_indices():
 def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(path, body):
     """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its choice's prompt
     and output tokens so far and its speculation figures, so a client sees acceptance as it streams (a chat's
-    opening role chunk too: none of its tokens yet, as vLLM's); the last chunk still sums every choice; without
-    the option, chunks carry no usage."""
-    with app_in_thread(FakeEngineClient(tokens=3)) as base:
+    opening role chunk too: none of its tokens yet, as vLLM's, and its prompt's cache hit, known by then); the last
+    chunk still sums every choice; without the option, chunks carry no usage."""
+    with app_in_thread(FakeEngineClient(tokens=3, cached=1)) as base:
         options = {"include_usage": True, "continuous_usage_stats": True}
         chunks = [json.loads(e) for e in sse_events(base + path, {**body, "stream": True,
                                                                   "stream_options": options})[:-1]]
@@ -412,11 +414,13 @@ def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(pa
             usage, choice = chunk["usage"], chunk["choices"][0]
             if path.endswith("chat/completions") and choice["delta"] == {"role": "assistant", "content": ""}:
                 assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 0), usage  # no output yet
+                assert usage["prompt_tokens_details"]["cached_tokens"] == 1, usage
                 continue
             seen.setdefault(choice["index"], []).append(usage["completion_tokens"])
             prompt = 1 + (choice["index"] >= 2) if path == "/v1/completions" else 2
             assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]
             assert usage["speculative"]["drafts"] == usage["completion_tokens"]  # the fake's figures per output
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 1, usage
         assert all(counts == [1, 2, 3] for counts in seen.values()) and len(seen) == len(chunks[-1:]) * (
             4 if path == "/v1/completions" else 1), seen
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3 * len(seen)
@@ -1491,6 +1495,17 @@ def test_responses_api_keeps_responses_for_previous_response_id():
         assert err["error"]["code"] == "previous_response_not_found"
         status, err = http_json(base + "/v1/responses/resp_unknown")
         assert status == 404 and err["error"]["code"] == "response_not_found"
+        # a function call's output answers a call made before it, here in the stored conversation; an error names
+        # the item by its index in this request's input
+        status, called = http_json(base + "/v1/responses", {"input": [
+            {"role": "user", "content": "Hi"}, {"type": "function_call", "call_id": "c9", "name": "f"}]})
+        assert status == 200, called
+        status, err = http_json(base + "/v1/responses", {"previous_response_id": called["id"], "input": [
+            {"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "c8", "output": "1"}]})
+        assert status == 400 and err["error"]["param"] == "input.1.call_id" and "'c8'" in err["error"]["message"]
+        status, answered = http_json(base + "/v1/responses", {"previous_response_id": called["id"], "input": [
+            {"type": "function_call_output", "call_id": "c9", "output": "1"}]})
+        assert status == 200, answered
 
 
 def test_responses_api_errors_name_its_own_parameters():
@@ -1507,6 +1522,10 @@ def test_responses_api_errors_name_its_own_parameters():
              "input", "reads text only"),
             ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role", "not a valid role"),
             ({"input": [{"type": "file_search_call"}]}, "input.0.type", "not supported"),
+            ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                          "arguments": "{bad"}]}, "input.1.arguments", "valid JSON"),
+            ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "c",
+                                                          "output": "1"}]}, "input.1.call_id", "answers no"),
             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "functions only"),
             ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type", "not supported"),
             ({"input": "x", "text": {"format": "json"}}, "text.format", "must be an object"),

@@ -423,7 +423,8 @@ def test_a_refused_draft_drawn_from_q_is_kept_and_rejected(tiny_llama_dir, token
 
 def test_grammar_termination_ends_the_request_where_plain_decoding_ends_it(plain, tiny_llama_dir):
     """The grammar completes on a forced token whose step also kept the target's EOS: the request ends at the
-    grammar's end, with the tokens plain decoding gives one at a time."""
+    grammar's end, with the tokens plain decoding gives one at a time; also with ``min_tokens`` beyond it and
+    ``ignore_eos`` (nothing can follow a complete answer)."""
     spec = SPECS["choice"]
     engine = plain.engine
     one_by_one = []
@@ -433,6 +434,10 @@ def test_grammar_termination_ends_the_request_where_plain_decoding_ends_it(plain
     finally:
         engine.forced_draft_limit = 16
     assert runs.token_ids(plain.generate(runs.PROMPTS, constrained(spec), use_tqdm=False)) == one_by_one
+    for extra in ({"min_tokens": 40}, {"ignore_eos": True}):
+        outs = plain.generate(runs.PROMPTS, constrained(spec, **extra), use_tqdm=False)
+        assert runs.token_ids(outs) == one_by_one, extra
+        assert all(o.outputs[0].finish_reason == "stop" for o in outs), extra
 
 
 # ---- a reasoning model: the grammar governs what follows the thinking phase --------------------------------------
