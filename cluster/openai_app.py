@@ -1520,6 +1520,8 @@ class OpenAIServing:
         try:
             while first is not None:
                 first = await fanout.next()
+        except ValueError as exc:  # its own constraints cannot be met (RequestRefusedError)
+            raise to_openai_error(exc, req.structured_outputs_param()) from None
         finally:
             fanout.close()
         body = fmt.response(choices, _usage(choices))

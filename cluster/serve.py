@@ -606,10 +606,10 @@ def _portable_errors():
         yield
     except EngineUnavailableError:
         raise
+    except ValueError as err:  # RequestRefusedError too (an EngineError): the request's own fault
+        raise ValueError(str(err)) from None
     except EngineError as err:
         raise EngineError(str(err)) from None
-    except ValueError as err:
-        raise ValueError(str(err)) from None
 
 
 register_client_gone(TaskCancelledError)  # Serve cancels a request whose client left (RequestCancelledError)

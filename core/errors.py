@@ -73,6 +73,14 @@ class RequestFailedError(EngineError):
         return (type(self), (self.req_id, self.cause))
 
 
+class RequestRefusedError(RequestFailedError, ValueError):
+    """This request failed mid-output because its own constraints cannot be met (structured outputs with
+    ``allowed_token_ids`` that leave the grammar no token): the client's error, reported as the cause alone."""
+
+    def __str__(self) -> str:
+        return str(self.cause)
+
+
 def describe_plan(plan: Any, max_requests: int = 16) -> str:
     """A one-line summary of a step plan for an error log: step id, and per scheduled request its id, chunk
     size, start position and draft count, plus the plan's new, finished and preempted ids (vLLM's

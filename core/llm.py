@@ -308,10 +308,11 @@ def _one_output(outs: list[RequestOutput]) -> RequestOutput:
     for out in outs:
         stats.merge(out.spec_stats)
     first = outs[0]
-    error = next((o.error for o in outs if o.error is not None), None)
+    failed = next((o for o in outs if o.error is not None), None)
     return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, [o.outputs[0] for o in outs],
-                         finished=True, spec_stats=stats, error=error, prompt_logprobs=first.prompt_logprobs,
-                         num_cached_tokens=first.num_cached_tokens)
+                         finished=True, spec_stats=stats, error=failed and failed.error,
+                         prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
+                         refused=failed is not None and failed.refused)
 
 
 def _progress(total: int):

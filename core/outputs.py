@@ -128,6 +128,8 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     # prompt tokens found in the prefix cache when it was first scheduled (vLLM's; 0 with prefix caching off)
     num_cached_tokens: int = 0
+    # with error: the request's own constraints cannot be met (a client's error, not the engine's)
+    refused: bool = False
 
 
 def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -158,4 +160,4 @@ def _joined(older: RequestOutput | None, newer: RequestOutput, prompt: str | Non
         completions.append(CompletionOutput(new.index, text, token_ids, new.cumulative_logprob, logprobs,
                                             new.finish_reason, new.stop_reason))
     return RequestOutput(newer.request_id, prompt, prompt_token_ids, completions, newer.finished,
-                         newer.spec_stats, newer.error, prompt_logprobs, newer.num_cached_tokens)
+                         newer.spec_stats, newer.error, prompt_logprobs, newer.num_cached_tokens, newer.refused)

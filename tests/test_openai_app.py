@@ -41,13 +41,15 @@ class FakeTokenizer:
 
 class FakeEngineClient:
     """Emits ``tokens`` outputs per request once ``gate`` opens; ``fail_after`` raises an engine failure after
-    that many outputs; ``cached``: the prompt tokens each request finds in the prefix cache."""
+    that many outputs (``refuse``: the request's own constraints cannot be met); ``cached``: the prompt tokens each
+    request finds in the prefix cache."""
 
     max_model_len = 64
     tokenizer = FakeTokenizer()
 
-    def __init__(self, tokens: int = 3, fail_after: int | None = None, cached: int = 0):
+    def __init__(self, tokens: int = 3, fail_after: int | None = None, cached: int = 0, refuse: bool = False):
         self.tokens = tokens
+        self.refuse = refuse
         self.cached = cached
         self.fail_after = fail_after
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -69,7 +71,7 @@ class FakeEngineClient:
         self.loop.call_soon_threadsafe(self.gate.set)
 
     async def _generate(self, prompt_token_ids, params, prompt=None, req_id=None):
-        from specray.errors import RequestFailedError
+        from specray.errors import RequestFailedError, RequestRefusedError
 
         self.loop = asyncio.get_running_loop()
         if self.gate is None:
@@ -79,6 +81,8 @@ class FakeEngineClient:
         await self.gate.wait()
         for n in range(1, self.tokens + 1):
             if self.fail_after is not None and n > self.fail_after:
+                if self.refuse:
+                    raise RequestRefusedError(req_id, "structured_outputs cannot be met: allowed_token_ids left none")
                 raise RequestFailedError(req_id, "worker died")
             done = n == self.tokens
             out = CompletionOutput(0, "x" * n, list(range(n)), finish_reason="length" if done else None)
@@ -380,6 +384,26 @@ def test_engine_failure_is_500_before_output_and_an_error_event_mid_stream():
         events = sse_events(base + "/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "hi"}], "stream": True})
         assert events[-1] == "[DONE]" and "worker died" in json.loads(events[-2])["error"]["message"]
+
+
+def test_constraints_that_cannot_be_met_mid_output_are_a_400_naming_the_request_s_field():
+    """A request the engine fails mid-output because its own constraints leave its structured output no token
+    (RequestRefusedError): a 400 naming the request's field for the constraint, whole; streamed, a 400 error
+    event; it crosses from an engine replica to the ingress as a ValueError."""
+    from specray.cluster.serve import _portable_errors
+    from specray.errors import RequestRefusedError
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}
+    with app_in_thread(FakeEngineClient(tokens=3, fail_after=1, refuse=True)) as base:
+        status, err = error_of(http_json(base + "/v1/chat/completions", body))
+        assert (status, err["param"]) == (400, "response_format") and "cannot be met" in err["message"], err
+        events = sse_events(base + "/v1/chat/completions", {**body, "stream": True})
+        error = json.loads(events[-2])["error"]
+        assert events[-1] == "[DONE]" and error["type"] == "invalid_request_error", error
+        assert "cannot be met" in error["message"], error
+    with pytest.raises(ValueError, match="^structured_outputs cannot") as caught, _portable_errors():
+        raise RequestRefusedError("r1", "structured_outputs cannot be met")
+    assert type(caught.value) is ValueError
 
 
 def test_n_choices_stream_interleaved_with_indices():

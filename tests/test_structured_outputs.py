@@ -273,7 +273,8 @@ def test_constraints_that_leave_no_token_are_refused_or_fail_their_request_alone
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
     assert set(outs) == set(ids)
     failed = outs[ids[0]]
-    assert failed.outputs[0].finish_reason == "error" and "structured output failed" in failed.error
+    assert failed.outputs[0].finish_reason == "error" and failed.refused  # the request's own fault
+    assert failed.error.startswith("structured_outputs cannot be met") and "allowed_token_ids" in failed.error
     assert outs[ids[1]].error is None and outs[ids[1]].outputs[0].token_ids == references["choice"][1]
     assert not engine.tracked and not engine._grammars
 

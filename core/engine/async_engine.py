@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specray.engine.llm_engine import LLMEngine
-from specray.errors import EngineError, RequestFailedError, WorkerDiedError
+from specray.errors import EngineError, RequestFailedError, RequestRefusedError, WorkerDiedError
 from specray.multimodal import MultiModalInputs
 from specray.outputs import RequestOutput
 from specray.sampling_params import SamplingParams
@@ -58,7 +58,8 @@ class AsyncLLMEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs until it finishes. Bad input raises ValueError before the
         first output; an engine failure, or a step that failed for this request alone (its output's
-        ``finish_reason == "error"``), raises :class:`RequestFailedError`."""
+        ``finish_reason == "error"``), raises :class:`RequestFailedError` (:class:`RequestRefusedError`, a
+        ValueError too, where the request's own constraints cannot be met)."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         if params.structured_outputs is not None:  # a new spec compiles here, not in the step loop's thread
             await stream.loop.run_in_executor(None, self.engine.structured.compile, params.structured_outputs)
@@ -167,7 +168,8 @@ class AsyncLLMEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 # a step failed for this request alone: its caller gets the error, the others go on
-                stream.put(out if out.error is None else RequestFailedError(out.request_id, out.error))
+                stream.put(out if out.error is None else (RequestRefusedError if out.refused else RequestFailedError)(
+                    out.request_id, out.error))
                 if out.finished:
                     del self._streams[out.request_id]
         if self.on_step is not None:

@@ -40,6 +40,7 @@ class _Tracked:
     detok: IncrementalDetokenizer | None
     num_sent: int = 0  # output tokens already pushed through the detokenizer
     error: str | None = None  # why a step failed for this request (finish_reason "error")
+    refused: bool = False  # ... because its own constraints cannot be met
     hold: int = 0  # characters of text left out of reports until it finishes: a stop string may begin there
     reported: bool = False  # a report went out (output_kind "delta": the prompt goes with the first only)
     reported_tokens: int = 0  # output tokens reported so far (output_kind "delta")
@@ -266,7 +267,7 @@ class LLMEngine:
             self.policy.observe_step(plan.num_tokens, len(plan.chunks), self.clock() - start)
         outputs += self._fail(failed)
         touched, refused = self._apply(plan, result)
-        outputs += self._fail(refused)
+        outputs += self._fail(refused, refused=True)
         if running is not None:
             self._unreported = touched
         else:
@@ -311,7 +312,7 @@ class LLMEngine:
         self._last_done = now
         outputs += self._fail(failed)
         touched, refused = self._apply(step.plan, result)
-        outputs += self._fail(refused) + self._report(touched)
+        outputs += self._fail(refused, refused=True) + self._report(touched)
         self._forget([o.request_id for o in outputs if o.finished])
         return outputs
 
@@ -390,14 +391,15 @@ class LLMEngine:
         merged.drafting_failed = undrafted
         return merged, failed
 
-    def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
-        """Finish the requests a step failed for (finish_reason "error") and report them to their callers."""
+    def _fail(self, failed: dict[str, str], refused: bool = False) -> list[RequestOutput]:
+        """Finish the requests a step failed for (finish_reason "error") and report them to their callers;
+        ``refused``: they failed because their own constraints cannot be met (a client's error)."""
         outputs = []
         for req in self.scheduler.abort_requests(list(failed), reason="error"):
             logger.error("request %s failed in a step and was finished with an error: %s", req.req_id,
                          failed[req.req_id])
             tracked = self.tracked[req.req_id]
-            tracked.error = failed[req.req_id]
+            tracked.error, tracked.refused = failed[req.req_id], refused
             outputs.append(self._make_output(tracked))
         return outputs
 
@@ -632,8 +634,10 @@ class LLMEngine:
                     logger.error("request %s: the grammar refused output token %d: %s", request.req_id, token,
                                  grammar.error)
                     why = grammar.error.strip().splitlines()[:1]  # (the matcher's state follows: logged above)
-                    refused[request.req_id] = ("structured output failed: the request's constraints left the "
-                                               f"grammar no token (token {token} came out): {''.join(why)}")
+                    refused[request.req_id] = (
+                        f"structured_outputs cannot be met with the request's other constraints: after "
+                        f"{grammar.num_tokens} output tokens, allowed_token_ids / bad_words left the grammar no "
+                        f"token (token {token} came out: {''.join(why)}); allow the tokens the format needs")
                     break
                 if grammar.terminated:
                     self.scheduler.finish_request(request.req_id, grammar.num_tokens)
@@ -994,7 +998,7 @@ class LLMEngine:
         if prompt_logprobs is not None and kind != "delta" and len(prompt_logprobs) < len(prompt_ids):
             prompt_logprobs = list(prompt_logprobs)  # still growing (mid-prefill): an output handed out never changes
         return RequestOutput(request.req_id, prompt, prompt_ids, [completion], finished, request.spec_stats.copy(),
-                             tracked.error, prompt_logprobs, request.num_cached_tokens)
+                             tracked.error, prompt_logprobs, request.num_cached_tokens, tracked.refused)
 
     def _detokenize(self, tracked: _Tracked) -> None:
         """Push the new output tokens through the detokenizer (not the stop token that ended the request: vLLM's
