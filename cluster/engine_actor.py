@@ -140,11 +140,20 @@ class RayEngineClient:
         return ray.get(self.actor.describe.remote())
 
     def run_batch(self, requests: list[tuple]) -> Iterator[tuple[int, RequestOutput]]:
-        for ref in self.actor.run_batch.remote(requests):
-            i, out = ray.get(ref)
-            if isinstance(out, BaseException):
-                raise out
-            yield i, out
+        """Each request's final output as it finishes; a call that ends early (a request's error, Ctrl-C, a caller
+        that stops reading) cancels the batch on the actor, which aborts the requests still in flight."""
+        batch = self.actor.run_batch.remote(requests)
+        left = len(requests)
+        try:
+            for ref in batch:
+                i, out = ray.get(ref)
+                left -= 1
+                if isinstance(out, BaseException):
+                    raise out
+                yield i, out
+        finally:
+            if left and ray.is_initialized():
+                ray.cancel(batch)
 
     def shutdown(self) -> None:
         """Ask the engine actor to release its workers, drafters and placement groups, kill it, and remove any

@@ -213,19 +213,20 @@ class LLM:
         params.check(self.engine.vocab_size)
 
     def _run_local(self, requests: list) -> Iterator[tuple[int, RequestOutput]]:
-        """Add every request (all or none), then step until each has finished, yielding them as they do."""
-        req_ids: list[str] = []
+        """Add every request (all or none), then step until each has finished, yielding them as they do. Whatever
+        ends the call early (an error, Ctrl-C, a caller that stops reading) aborts the requests still in flight:
+        none is left taking seats and KV blocks from later calls."""
+        index: dict[str, int] = {}
         try:
             for ids, params, text, images in requests:
-                req_ids.append(self.engine.add_request(ids, params, prompt=text, multimodal=images))
-        except ValueError:
-            self.engine.abort_request(req_ids)
-            raise
-        index = {rid: i for i, rid in enumerate(req_ids)}
-        while index:
-            for out in self.engine.step():
-                if out.finished and out.request_id in index:
-                    yield index.pop(out.request_id), out
+                index[self.engine.add_request(ids, params, prompt=text, multimodal=images)] = len(index)
+            while index:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in index:
+                        yield index.pop(out.request_id), out
+        finally:
+            if index:
+                self.engine.abort_request(list(index))
 
 
 def _release_engine(engine) -> None:

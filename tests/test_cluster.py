@@ -635,6 +635,27 @@ def test_llm_releases_its_actors_and_placement_groups(tiny_llama_dir):
         actor = llm.engine.actor
         assert len(live_groups() - before) == 1
         first = llm.generate(prompt, sp, use_tqdm=False)
+
+        # a call that ends early (its caller stops reading, as on Ctrl-C) aborts what it left on the actor, whose
+        # steps are slowed here so that the long request could not finish meanwhile by itself
+        def slowed(engine):
+            step = engine.step
+
+            def slow():
+                time.sleep(0.05)
+                return step()
+
+            engine.step = slow
+
+        ray_get(actor.call.remote(slowed))
+        batch = llm.engine.run_batch([(prompt["prompt_token_ids"], SamplingParams(max_tokens=n, ignore_eos=True),
+                                       None, None) for n in (1, 200)])
+        assert next(batch)[0] == 0
+        batch.close()
+        deadline = time.monotonic() + 5
+        while ray_get(actor.call.remote(lambda engine: len(engine.tracked))):
+            assert time.monotonic() < deadline, "the request left on the actor still runs"
+            time.sleep(0.1)
     assert live_groups() == before
     llm.shutdown()  # idempotent
     with pytest.raises(ray.exceptions.RayActorError):

@@ -588,6 +588,28 @@ def test_abort_frees_blocks(plain):
     assert free_blocks(plain) == start and not engine.has_unfinished_requests()
 
 
+def test_a_generate_call_ended_early_leaves_no_request_behind(plain, plain_outputs, monkeypatch):
+    """An error or Ctrl-C in the middle of ``LLM.generate`` aborts its requests still in flight: none keeps its
+    seat or blocks, and the next call runs as if nothing had happened."""
+    engine = plain.engine
+    start = free_blocks(plain)
+    step, calls = engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        plain.generate(PROMPTS[:3], greedy(), use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.tracked and not engine.has_unfinished_requests() and free_blocks(plain) == start
+    assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], greedy(), use_tqdm=False)] == \
+        plain_outputs[:3]
+
+
 def test_draft_model_of_another_vocabulary_is_translated_or_refused(tiny_llama_dir, tmp_path, make_tiny_model,
                                                                     monkeypatch):
     """A draft model whose tokenizer is not the target's drafts through the translation
