@@ -162,8 +162,7 @@ class LLM:
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         conversations = _conversations(messages)
         conversations, media = zip(*map(split_media, conversations)) if conversations else ((), ())
-        for conversation in conversations:
-            _check_parts(conversation)
+        conversations = [_text_joined(conversation) for conversation in conversations]
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
@@ -336,16 +335,29 @@ def _conversations(messages) -> list:
                      "[{'role': 'user', 'content': 'Hello'}], or a list of such conversations")
 
 
-def _check_parts(messages: list[dict]) -> None:
-    """A ValueError for a message content part that is neither text nor an image, a video or an audio: a chat
-    template would otherwise render its placeholder with nothing behind it."""
+def _text_joined(messages: list[dict]) -> list[dict]:
+    """The messages with a content of text parts alone as one string, as the server hands them to the chat template
+    (and vLLM's ``LLM.chat``; templates read a string); a ValueError for a content that is neither a string, a list
+    of parts nor None, or for a part that is neither text (with its string) nor an image, a video or an audio: a
+    chat template would otherwise render its placeholder with nothing behind it."""
+    out = []
     for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}].content={content!r:.50} must be a string or a list of content parts "
+                             "such as [{'type': 'text', 'text': 'Hello'}]")
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}] is a text part without its text: send {{'type': "
+                                 "'text', 'text': '...'}")
             if kind not in ("text", IMAGE, VIDEO, AUDIO):
                 raise ValueError(f"messages[{i}].content[{j}] of type {kind!r} is not supported: the served models "
                                  "read text and (multimodal releases) images, videos and audio; send {'type': "
                                  "'text', 'text': ...}, {'type': 'image_url', 'image_url': {'url': ...}}, {'type': "
                                  "'video_url', 'video_url': {'url': ...}} or {'type': 'input_audio', 'input_audio': "
                                  "{'data': ..., 'format': 'wav'}} parts, or a string")
+        if isinstance(content, list) and all(part["type"] == "text" for part in content):
+            message = {**message, "content": "".join(part["text"] for part in content)}
+        out.append(message)
+    return out
