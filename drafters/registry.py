@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from importlib import import_module
 from importlib.metadata import entry_points
+from inspect import signature
 from typing import Any
 
 from specray.config import SpeculativeConfig, check_keys, jsonable_fields
@@ -125,6 +126,13 @@ def _user_entry(method: str) -> DrafterEntry:
         raise ValueError(f"speculative_config.method={method!r}: {path!r} is not a drafter class (missing "
                          f"{missing or 'a class'}); it must implement specray.drafters.base.Drafter "
                          "(propose, finish, shutdown) and take (spec, ctx)")
+    try:
+        signature(cls).bind(None, None)
+    except TypeError as err:
+        raise ValueError(f"speculative_config.method={method!r}: {path!r} cannot be built as {name}(spec, ctx) "
+                         f"({err}); its __init__ must take the SpeculativeConfig and the DrafterContext") from None
+    except ValueError:  # no signature to read (a class built in C): built as it is
+        pass
     return DrafterEntry(path, "")
 
 

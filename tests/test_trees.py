@@ -316,11 +316,16 @@ def test_user_drafter_options_are_checked(tiny_llama_dir, tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="lookbak"):
         LLM(model=str(tiny_llama_dir), max_model_len=256,
             speculative_config={"method": "my_drafters2:LastTokenDrafter", "lookbak": 3})
+    (tmp_path / "my_drafters3.py").write_text("class NoArgs:\n    def __init__(self):\n        pass\n\n"
+                                              "    propose = finish = shutdown = __init__\n")
+    with pytest.raises(ValueError, match=r"cannot be built as NoArgs\(spec, ctx\)"):
+        LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config={"method": "my_drafters3:NoArgs"})
 
 
 class BadDrafter:
     """The engine's own drafter for every request but one, which gets a broken tree, an id outside the
-    vocabulary, or (with the others) a list of the wrong length."""
+    vocabulary, ids that are not integers, a list in place of a Proposal, or (with the others) a list of the wrong
+    length; and whose ``finish`` raises for it."""
 
     def __init__(self, inner, bad_req: str, what: str):
         self.inner, self.bad_req, self.what, self.bad_calls = inner, bad_req, what, 0
@@ -338,11 +343,17 @@ class BadDrafter:
             self.bad_calls += 1
             if self.what == "count":
                 return out + [Proposal([])]
-            out[i] = Proposal([5, 6, 7], parents=[-1, 2, 0]) if self.what == "parents" else Proposal([5, 10 ** 9])
+            out[i] = {"parents": Proposal([5, 6, 7], parents=[-1, 2, 0]), "vocab": Proposal([5, 10 ** 9]),
+                      "floats": Proposal([5, 6.5]), "list": [5, 6]}[self.what]
         return out
 
+    def finish(self, req_ids):
+        self.inner.finish(req_ids)
+        if self.bad_req in req_ids:
+            raise RuntimeError("finish failed on purpose")
 
-@pytest.mark.parametrize("what", ["parents", "vocab", "count"])  # one that raises: test_engine.py
+
+@pytest.mark.parametrize("what", ["parents", "vocab", "floats", "list", "count"])  # one that raises: test_engine.py
 def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, plain_outputs, what, caplog):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_STATIC)
     engine, tok = llm.engine, llm.get_tokenizer()
@@ -360,6 +371,7 @@ def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, 
     # asked once (alone once more after a batch it spoilt), never again; the others kept drafting
     assert bad.bad_calls == (2 if what == "count" else 1) and engine.drafting_failures == 1
     assert f"drafting failed for request {ids[1]}" in caplog.text and not engine._undrafted
+    assert "the drafter's finish failed" in caplog.text and not engine.tracked  # logged, not raised
     assert llm.spec_stats.accepted_tokens > 0
     assert engine.scheduler.block_manager.num_free_blocks == free
     metrics = ServerMetrics("tiny")

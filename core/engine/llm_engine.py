@@ -1026,6 +1026,7 @@ class LLMEngine:
     def _forget(self, req_ids: list[str]) -> None:
         # a drafter that learns from finished text (suffix decoding's global tree) may see each one's whole
         # history: the tokens of its last step reached no proposal
+        # the requests are done: a drafter failing to hear it (a user-provided drafter's bug) is logged, not raised
         told = getattr(self.drafter, "observe_finished", None)
         for rid in req_ids:
             tracked = self.tracked.pop(rid, None)
@@ -1033,11 +1034,18 @@ class LLMEngine:
             self._undrafted.discard(rid)
             self._head_failed.discard(rid)
             if told is not None and tracked is not None and tracked.request.finish_reason in ("stop", "length"):
-                told(rid, tracked.request.all_token_ids)
+                try:
+                    told(rid, tracked.request.all_token_ids)
+                except Exception:
+                    logger.exception("the drafter's observe_finished failed for request %s; ignored", rid)
         if self.policy is not None:
             self.policy.forget(req_ids)
         if self.drafter is not None and req_ids:
-            self.drafter.finish(req_ids)
+            try:
+                self.drafter.finish(req_ids)
+            except Exception:
+                logger.exception("the drafter's finish failed for requests %s; ignored (what it holds for them may "
+                                 "stay)", list(req_ids)[:8])
 
 
 def _text_end(request: Request) -> int:
@@ -1076,11 +1084,23 @@ def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
 
 
 def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
-    """What is wrong with a drafter's proposal (None: nothing): ids outside the vocabulary, or a tree that is not
-    one (a parent that is not an earlier node, lengths that differ, or a tree with a drafter's q)."""
+    """What is wrong with a drafter's proposal (None: nothing): not a Proposal, ids that are not integers or fall
+    outside the vocabulary, or a tree that is not one (a parent that is not an earlier node, lengths that differ,
+    or a tree with a drafter's q)."""
+    if not isinstance(proposal, Proposal):
+        return (f"the drafter returned {type(proposal).__name__} {proposal!r:.60} for a request; propose must return "
+                "one specray.drafters.base.Proposal per request, such as Proposal(token_ids=[...])")
     tokens, parents = proposal.token_ids, proposal.parents
-    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):  # min/max: C loops, this runs every step
-        return f"the drafter proposed token ids outside the vocabulary [0, {vocab_size}): {list(tokens)[:8]}"
+    if tokens:  # min/max/sum: C loops, this runs every step
+        try:
+            integers = hasattr(sum(tokens), "__index__")  # a float among them makes the sum one
+            outside = min(tokens) < 0 or max(tokens) >= vocab_size
+        except TypeError:
+            integers = False
+        if not integers:
+            return f"the drafter proposed token ids that are not integers: {list(tokens)[:8]!r:.80}"
+        if outside:
+            return f"the drafter proposed token ids outside the vocabulary [0, {vocab_size}): {list(tokens)[:8]}"
     if parents is None:
         return None
     if proposal.probs is not None:
