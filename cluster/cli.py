@@ -426,6 +426,13 @@ def engine_kwargs(args) -> dict:
     from specray.default_model import default_model_path
 
     spec = args.speculative_config
+    options = {f: getattr(args, f) for f in ("num_spec_tokens", "draft_model", "prompt_lookup_min",
+                                             "prompt_lookup_max", "no_adaptive")}
+    given = [f"--{f.replace('_', '-')}" for f, value in options.items() if value is not None and value is not False]
+    if given and not args.spec_method:
+        raise ValueError(f"{' and '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of "
+                         "--spec-method, which is not given; add it, or give --speculative-config instead, e.g. "
+                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'")
     if args.spec_method:
         if spec is not None:
             raise ValueError("--spec-method and --speculative-config are both given; put the method into "

@@ -505,6 +505,15 @@ def test_generate_passes_engine_arguments_through(tiny_llama_dir, capsys):
     assert engine_args.speculative_config.num_speculative_tokens == 2 and engine_args.block_size == 32
     assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--engine-kwargs", "blok=1"]) == 2
     assert "blok" in capsys.readouterr().err
+    # --spec-method's options without it (they were ignored: the run decoded plainly)
+    for flags in (["--num-spec-tokens", "0"], ["--draft-model", "d", "--no-adaptive"]):
+        args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+        with pytest.raises(ValueError, match=f"{flags[0]} .*of --spec-method, which is not given"):
+            engine_kwargs(args)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--num-spec-tokens", "1", "--speculative-config",
+                                      '{"method": "ngram"}'])
+    with pytest.raises(ValueError, match="--num-spec-tokens is an option of --spec-method"):
+        engine_kwargs(args)
 
 
 def test_train_draft_runs_its_stages_and_refuses_unknown_ones(tiny_llama_dir, tmp_path, capsys):
