@@ -12,7 +12,7 @@ from typing import Any
 
 from specray.lora import LoRAConfig
 from specray.multimodal import check_media_io_kwargs, check_mm_limits
-from specray.sampling_params import check_seed
+from specray.sampling_params import check_seed, is_int
 from specray.structured_outputs import check_reasoning_parser
 
 
@@ -420,7 +420,7 @@ class EngineArgs:
                              "eager elsewhere)")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
             if value > 1 and self.distributed_executor_backend == "uni":
                 raise ValueError(f"{name}={value} needs several processes: use distributed_executor_backend='ray' "
@@ -457,8 +457,8 @@ class EngineArgs:
         self._check_generation_config()
         _ = self.lora_config  # LoRAConfig checks the LoRA options
         for name in ("max_num_seqs", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an int "
                              ">= 0 (0: no bound)")
@@ -468,8 +468,8 @@ class EngineArgs:
                              "memory the engine may use), or None")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory_bytes"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be >= 1 (or None for the default)")
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"{name}={value!r} must be an int >= 1 (or None for the default)")
 
     def _check_generation_config(self) -> None:
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -159,30 +159,31 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1 (the completions to return for the prompt)")
         if not _is_finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
         if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]; use 1 to disable top-p")
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= TOP_K_MAX:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= TOP_K_MAX:
             raise ValueError(f"top_k={self.top_k!r} must be an int in [0, {TOP_K_MAX}], or -1/0 to disable top-k")
         if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p!r} must be in [0, 1]; use 0 to disable min-p")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1 (or None for up to max_model_len)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r}: every stop string must be a non-empty string")
         if self.stop and self.detokenize is not True:
             raise ValueError(f"stop={self.stop!r} needs the output's text, and detokenize={self.detokenize!r}: set "
                              "detokenize=True, or stop on token ids (stop_token_ids)")
-        if not isinstance(self.detokenize, bool):
-            raise ValueError(f"detokenize={self.detokenize!r} must be True or False")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        for name in ("detokenize", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: every entry must be a token id >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < -1):
+            if value is not None and (not is_int(value) or value < -1):
                 raise ValueError(f"{name}={value!r} must be an int >= 0, -1 for the whole vocabulary, or None")
         if self.seed is not None:
             check_seed(self.seed, " or None")
@@ -193,7 +194,7 @@ class SamplingParams:
         if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a number > 0 (1 turns it off; "
                              "above 1 discourages repeats)")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; lower min_tokens or "
@@ -202,16 +203,16 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to biases in [-100, 100]")
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or token < 0 or not _is_finite(bias) or not -100 <= bias <= 100:
+                if not is_int(token) or token < 0 or not _is_finite(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias={{{token!r}: {bias!r}, ...}}: each key must be a token id >= 0 "
                                      "and each bias a number in [-100, 100]")
         if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, (list, tuple)) or
                                                    not self.allowed_token_ids or
-                                                   any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+                                                   any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids={self.allowed_token_ids!r} must be a non-empty list of token ids >= 0 "
                              "(or None: every token allowed)")
         k = self.truncate_prompt_tokens
-        if k is not None and (not _is_int(k) or k < 1):
+        if k is not None and (not is_int(k) or k < 1):
             raise ValueError(f"truncate_prompt_tokens={k!r} must be an int >= 1 (the prompt tokens to keep, from its "
                              "end) or None")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
@@ -234,13 +235,13 @@ class SamplingParams:
             self.structured_outputs.check()
         prediction = self.prediction
         if prediction is not None and not isinstance(prediction, str) and (
-                not isinstance(prediction, (list, tuple)) or any(not _is_int(t) or t < 0 for t in prediction)):
+                not isinstance(prediction, (list, tuple)) or any(not is_int(t) or t < 0 for t in prediction)):
             raise ValueError(f"prediction={prediction!r:.100} must be the expected output's text or its token ids "
                              "(ints >= 0), or None")
         if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
             raise ValueError(f"lora_request={self.lora_request!r:.100} must be a specray.LoRARequest, a dict of its "
                              "fields, or None")
-        if not _is_int(self.priority):
+        if not is_int(self.priority):
             raise ValueError(f"priority={self.priority!r} must be an int (lower values are scheduled first)")
         method = self.speculative_method
         if method is not None and (not isinstance(method, str) or not method):
@@ -366,11 +367,12 @@ def _as_list(name: str, value: Any, what: str, one_string: bool = True) -> list:
 
 def check_seed(seed: Any, also: str = "") -> None:
     """A seed a random stream accepts: an int in [SEED_MIN, SEED_MAX]; ``also`` names what else is allowed."""
-    if not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX:
+    if not is_int(seed) or not SEED_MIN <= seed <= SEED_MAX:
         raise ValueError(f"seed={seed!r} must be an int in [{SEED_MIN}, {SEED_MAX}] (64 bits){also}")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

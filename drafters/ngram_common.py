@@ -28,6 +28,7 @@ from specray.drafters.base import DraftRequest, DrafterContext, Proposal
 from specray.drafters.ngram import common_prefix
 from specray.drafters.registry import options_of
 from specray.drafters.stats import DrafterStats
+from specray.sampling_params import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,9 @@ _TAIL_CHECK = 64  # tokens of the copy compared with a history list seen before 
 # ---------------------------------------------------------------------------------------------- option checks
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_int(method: str, name: str, value, minimum: int, maximum: int | None = None, what: str = "") -> None:
     """A ValueError naming the option, its value and the range it must lie in."""
-    if _is_int(value) and value >= minimum and (maximum is None or value <= maximum):
+    if is_int(value) and value >= minimum and (maximum is None or value <= maximum):
         return
     bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     hint = f" ({what})" if what else ""

@@ -840,6 +840,18 @@ def test_seed_outside_64_bits_is_refused_at_admission(plain):
         assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_the_engine_keeps_its_own_copy_of_a_request_s_params(plain):
+    """What admission resolves (max_tokens for this prompt, logprobs -1 as the vocabulary) stays with the request:
+    the caller's params, used again for a longer prompt, still mean "up to max_model_len"."""
+    engine = plain.engine
+    params = SamplingParams(max_tokens=None, logprobs=-1, temperature=0.0)
+    engine.abort_request([engine.add_request([5] * 200, params)])
+    assert (params.max_tokens, params.logprobs) == (None, -1)
+    rid = engine.add_request([5, 6, 7], params)
+    assert engine.tracked[rid].request.sampling_params.max_tokens == 256 - 3
+    engine.abort_request([rid])
+
+
 def test_draft_model_takes_the_largest_seed(tiny_llama_dir, tiny_draft_dir):
     """The draft model's own stream is seeded seed + 1: kept inside 64 bits for seed = 2**64 - 1."""
     spec = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3, "adaptive": False}
@@ -990,3 +1002,13 @@ def test_gpu_memory_utilization_sizes_the_kv_cache():
     for bad in (0, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match="gpu_memory_utilization=.* must be a number in"):
             EngineArgs(model="m", gpu_memory_utilization=bad)
+
+
+@pytest.mark.parametrize("name", ["max_model_len", "max_num_seqs", "block_size", "max_num_batched_tokens",
+                                  "num_kv_blocks", "kv_cache_memory_bytes"])
+def test_engine_sizes_must_be_ints(name):
+    """A size given as text (a config file's "100") or a float is a ValueError naming it, not a TypeError deep in
+    the engine's arithmetic."""
+    for bad in ("100", 2.5, True, 0):
+        with pytest.raises(ValueError, match=f"{name}={bad!r} must be an int >= 1"):
+            EngineArgs(model="m", **{name: bad})

@@ -132,11 +132,12 @@ def test_a_prediction_is_dropped_where_it_cannot_be_drafted_from(tiny_llama_dir,
     assert token_ids(outs) == expected[:1] and outs[0].spec_stats.drafts == 0
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM)
     engine = llm.engine
-    params = greedy(32, prediction=expected[0], speculative_method="suffix")
-    engine.add_request(llm.get_tokenizer().encode(PROMPTS[0]), params)
+    rid = engine.add_request(llm.get_tokenizer().encode(PROMPTS[0]),
+                             greedy(32, prediction=expected[0], speculative_method="suffix"))
+    params = engine.tracked[rid].request.sampling_params  # the engine's copy
     assert params.prediction is None and params.speculative_method == "suffix"
-    params = greedy(32, prediction=expected[0])
-    engine.add_request(llm.get_tokenizer().encode(PROMPTS[0]), params)
+    rid = engine.add_request(llm.get_tokenizer().encode(PROMPTS[0]), greedy(32, prediction=expected[0]))
+    params = engine.tracked[rid].request.sampling_params
     assert params.speculative_method == "prediction" and params.prediction == expected[0]
 
 

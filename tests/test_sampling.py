@@ -285,6 +285,9 @@ def test_sampling_has_no_host_sync(no_host_sync, device):
     ({"min_p": float("nan")}, "min_p"), ({"max_tokens": 2.5}, "max_tokens"), ({"logprobs": 1.5}, "logprobs"),
     ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop": 123}, "stop=123"),
     ({"stop_token_ids": "7"}, "stop_token_ids='7'"), ({"bad_words": {"x": 1}}, "bad_words"),
+    ({"ignore_eos": "false"}, "ignore_eos='false' must be True or False"), ({"skip_special_tokens": None},
+                                                                            "skip_special_tokens"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
 ])
 def test_sampling_params_refuse_what_a_step_cannot_take(kw, field):
     from specray.sampling_params import SamplingParams

@@ -3,6 +3,7 @@ the executor and drafter in actors without changing this loop. Built by :func:`s
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -125,7 +126,10 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     req_id: str | None = None, multimodal: MultiModalInputs | None = None) -> str:
         """Queue one request; a bad one raises ValueError (the scheduler's admission checks) and changes
-        nothing. ``multimodal``: its prompt's images (:func:`specray.multimodal.expand_prompt` made the prompt)."""
+        nothing. ``multimodal``: its prompt's images (:func:`specray.multimodal.expand_prompt` made the prompt).
+        The request keeps a copy of ``params`` (resolved: ``max_tokens`` for its prompt, ...): the caller's may be
+        used again for another prompt."""
+        params = copy.copy(params)
         if params.n != 1:
             raise ValueError(f"n={params.n}: the engine runs one sequence per request; add one request per choice "
                              "(LLM.generate and the OpenAI server do)")
