@@ -327,16 +327,23 @@ def _add_train_draft_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
-    p.add_argument("--medusa-num-heads", type=int, default=4, help="Medusa heads to train (--method medusa)")
-    p.add_argument("--mtp-num-modules", type=int, default=1, help="distinct MTP modules to train, module k "
+    p.add_argument("--medusa-num-heads", type=int, default=None, help="Medusa heads to train (--method medusa; "
+                   "default 4)")
+    p.add_argument("--mtp-num-modules", type=int, default=None, help="distinct MTP modules to train, module k "
                    "drafting the token k + 2 after a position (--method mtp; serve with num_nextn_predict_layers); "
-                   "1: one module reused for every draft")
-    p.add_argument("--dflash-block-size", type=int, default=8, help="DFlash's block: the sampled token and "
-                   "block size - 1 drafts (--method dflash)")
-    p.add_argument("--dflash-num-layers", type=int, default=1, help="DFlash's decoder layers (--method dflash)")
+                   "1 (the default): one module reused for every draft")
+    p.add_argument("--dflash-block-size", type=int, default=None, help="DFlash's block: the sampled token and "
+                   "block size - 1 drafts (--method dflash; default 8)")
+    p.add_argument("--dflash-num-layers", type=int, default=None, help="DFlash's decoder layers (--method dflash; "
+                   "default 1)")
     p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+
+
+# train-draft's options of one method each (given with another, they would be ignored)
+_TRAIN_METHOD_FLAGS = {"medusa_num_heads": "medusa", "mtp_num_modules": "mtp", "dflash_block_size": "dflash",
+                       "dflash_num_layers": "dflash"}
 
 
 def cmd_train_draft(args) -> int:
@@ -346,15 +353,18 @@ def cmd_train_draft(args) -> int:
     from specray.training.train import TrainConfig
 
     logging.getLogger("specray.training").setLevel(logging.INFO)
+    given = {name: getattr(args, name) for name in _TRAIN_METHOD_FLAGS if getattr(args, name) is not None}
+    for name in given:
+        if args.method != _TRAIN_METHOD_FLAGS[name]:
+            raise ValueError(f"--{name.replace('_', '-')} is an option of --method {_TRAIN_METHOD_FLAGS[name]}, not "
+                             f"of --method {args.method}; leave it out, or train that method")
     config = PipelineConfig(
         model=args.model or default_model_path(), out_dir=args.out,
         data=DataConfig(num_prompts=args.num_prompts, prompt_file=args.prompt_file,
                         answer_max_tokens=args.answer_max_tokens, seed=args.seed),
         train=TrainConfig(method=args.method, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab_size,
-                          ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
-                          medusa_num_heads=args.medusa_num_heads, mtp_num_modules=args.mtp_num_modules,
-                          dflash_block_size=args.dflash_block_size, dflash_num_layers=args.dflash_num_layers,
-                          seed=args.seed),
+                          ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed,
+                          **given),
         stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()), head_dir=args.head_dir,
         num_threads=args.num_threads)
     metrics = run(config)

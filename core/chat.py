@@ -17,6 +17,9 @@ def check_chat_options(add_generation_prompt: bool, continue_final_message: bool
                        chat_template_kwargs: dict[str, Any] | None) -> None:
     """ValueError for options that cannot go together: continuing the last message with a generation prompt, or
     template variables that name the template call's own parameters."""
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs={chat_template_kwargs!r:.80} must be a dict of the chat template's "
+                         "variables, such as {'enable_thinking': False}")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message=true continues the last message, so it needs "
                          "add_generation_prompt=false")

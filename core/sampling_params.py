@@ -218,6 +218,15 @@ class SamplingParams:
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words={self.bad_words!r}: every bad word must be a string with a non-space "
                              "character")
+        sequences = self.bad_words_token_ids
+        if sequences is not None:
+            if not self.bad_words:
+                raise ValueError("bad_words_token_ids is filled by the engine from bad_words (as the tokenizer reads "
+                                 "them); give the words in bad_words")
+            if not isinstance(sequences, list) or any(not isinstance(s, list) or not s or not all(
+                    is_int(t) and t >= 0 for t in s) for s in sequences):
+                raise ValueError(f"bad_words_token_ids={sequences!r:.80} must be a list of token-id sequences "
+                                 "(non-empty lists of ints >= 0), or None for the engine to fill")
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0 (0 turns speculation off for this "
@@ -261,6 +270,10 @@ class SamplingParams:
         if bad:
             raise ValueError(f"logit_bias={{{bad[0]}: ...}} names token ids {bad[:5]} outside the vocabulary "
                              f"[0, {vocab_size}); drop them")
+        bad = [t for seq in self.bad_words_token_ids or [] for t in seq if t >= vocab_size]
+        if bad:
+            raise ValueError(f"bad_words_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size}); drop "
+                             "them")
         bad = [t for t in self.allowed_token_ids or [] if t >= vocab_size]
         if bad:
             raise ValueError(f"allowed_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size}); drop "

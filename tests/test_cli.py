@@ -522,6 +522,10 @@ def test_train_draft_runs_its_stages_and_refuses_unknown_ones(tiny_llama_dir, tm
     out = tmp_path / "work"
     assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(out), "--stages", "data,bogus"]) == 2
     assert "bogus" in capsys.readouterr().err
+    # another method's option (it was ignored)
+    assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(out), "--medusa-num-heads", "2"]) == 2
+    assert "--medusa-num-heads is an option of --method medusa, not of --method eagle3" in capsys.readouterr().err
+    assert not out.exists()
     assert main(["train-draft", "--method", "eagle", "--model", str(tiny_llama_dir), "--out", str(out),
                  "--stages", "data", "--prompt-file", str(prompts), "--num-prompts", "3",
                  "--answer-max-tokens", "4"]) == 0

@@ -498,6 +498,8 @@ def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
     assert chat.prompt == "Hi! Hello"
     with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
         plain.chat([{"role": "user", "content": "Hello"}], chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ValueError, match="chat_template_kwargs='x' must be a dict"):
+        plain.chat([{"role": "user", "content": "Hello"}], chat_template_kwargs="x")
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
 

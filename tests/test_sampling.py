@@ -288,6 +288,8 @@ def test_sampling_has_no_host_sync(no_host_sync, device):
     ({"ignore_eos": "false"}, "ignore_eos='false' must be True or False"), ({"skip_special_tokens": None},
                                                                             "skip_special_tokens"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"bad_words_token_ids": [[5]]}, "filled by the engine from bad_words"),
+    ({"bad_words": ["x"], "bad_words_token_ids": [[-1]]}, "bad_words_token_ids=.* must be a list of token-id"),
 ])
 def test_sampling_params_refuse_what_a_step_cannot_take(kw, field):
     from specray.sampling_params import SamplingParams

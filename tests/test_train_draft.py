@@ -248,6 +248,7 @@ def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir
     (lambda tmp: TrainConfig(lr=float("nan")), r"^lr=nan must be a number > 0"),
     (lambda tmp: DataConfig(prompt_file=str(tmp / "missing.txt")), r"^prompt_file='.*missing.txt' is not a file"),
     (lambda tmp: run(PipelineConfig("unused", str(tmp / "file" / "out"))), r"^out_dir='.*out' cannot be made"),
+    (lambda tmp: PipelineConfig("unused", str(tmp), num_threads=0), r"^num_threads=0 must be an int >= 1"),
 ])
 def test_bad_training_options_are_clear_errors_before_any_work(tmp_path, make_bad, match):
     (tmp_path / "file").write_text("a file where the output folder's parent should be")

@@ -39,6 +39,10 @@ class PipelineConfig:
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ValueError(f"stages {unknown} are unknown; choose from {list(STAGES)}")
+        threads = self.num_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"num_threads={threads!r} must be an int >= 1 (torch's CPU threads), or None for "
+                             "torch's default")
 
     def make_out_dir(self) -> None:
         try:
