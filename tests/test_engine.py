@@ -480,7 +480,8 @@ def test_token_id_prompts_and_chat(plain, plain_outputs):
     # OpenAI's text parts read as the string they join into, as the server reads them
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
     assert plain.chat(parts, greedy(8), use_tqdm=False)[0].prompt == text
-    for content, words in ((5, "must be a string or a list of content parts"), ([{"type": "text"}], "without its text")):
+    for content, words in ((5, "must be a string or a list of content parts"),
+                           ([{"type": "text"}], "without its text")):
         with pytest.raises(ValueError, match=words):
             plain.chat([{"role": "user", "content": content}], greedy(8), use_tqdm=False)
 
