@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -571,12 +572,24 @@ def cmd_serve(args) -> int:
     from specray.cluster.serve import ServerStartError, run_server
 
     logging.getLogger("specray").setLevel(logging.INFO)  # run_server says when it starts, once the checks pass
+    # SIGTERM stops the server as Ctrl-C does, also while it starts (a model's first conversion, Ray starting):
+    # what started is stopped and partial files are removed, with no traceback
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         run_server(serve_app_args(args), host=args.host, port=args.port, ray_address=args.address)
     except ServerStartError as err:
         print(f"specray: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("specray: stopped before the server was up", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def cmd_bench_serve(args) -> int:

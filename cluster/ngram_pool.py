@@ -65,6 +65,9 @@ class NgramPoolActor:
         return {"sequences": len(self.seqs), "tokens": self.num_tokens, "replicas": len(self.sent)}
 
 
+POOL_NUM_CPUS = 0.05  # a pool actor's CPU share (one per pool name and method on the cluster)
+
+
 def pool_actor_name(name: str, method: str = "ngram") -> str:
     """The actor of pool ``name`` for drafting ``method``: replicas of one method share it, other methods that
     name the same pool get their own (their records mean different things)."""
@@ -76,7 +79,7 @@ def get_pool_actor(name: str, method: str = "ngram"):
     replica)."""
     return ray.remote(NgramPoolActor).options(
         name=pool_actor_name(name, method), namespace=POOL_NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0.05,
+        num_cpus=POOL_NUM_CPUS,
     ).remote()
 
 

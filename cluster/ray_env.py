@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
@@ -60,4 +61,19 @@ def ensure_ray(address: str | None = None) -> None:
         logger.info("starting a local Ray instance")
         ray.init(address="local", include_dashboard=False, logging_level="WARNING")
         return
+    check_reachable(address)
     ray.init(address=address, logging_level="WARNING")
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ValueError at once when nothing answers at a ``host:port`` cluster address (``ray.init`` would retry
+    for minutes); "auto", ``ray://`` and other forms are Ray's to resolve."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ValueError(f"address={address!r}: nothing answers there ({err.strerror or err}); give the head node's "
+                         "GCS address (host:6379 for a cluster started with `ray start --head`), start the cluster "
+                         "first, or leave the address out to start a local Ray") from None

@@ -53,6 +53,8 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 
 from specray.cluster.autoscaling import IN_FLIGHT_METRIC  # noqa: E402
 from specray.cluster.metrics import ENGINE_METRICS, REQUEST_METRICS, ServerMetrics  # noqa: E402
+from specray.cluster.ngram_pool import POOL_NUM_CPUS  # noqa: E402
+from specray.cluster.placement import autoscaling as placement_autoscaling  # noqa: E402
 from specray.cluster.openai_app import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, RuntimeAdapters, ServerConfig,
     build_openai_app, register_client_gone)
@@ -1249,14 +1251,17 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
     busy port, and on a local cluster the model and its heads); a replica's construction error is raised as a
     :class:`ServerStartError` carrying that error."""
     parsed = ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
-    check_port_free(host, port)
-    if ray_address is None and not os.environ.get("RAY_ADDRESS"):  # a cluster on this machine loads the model
+    local = ray_address is None and not os.environ.get("RAY_ADDRESS")  # the head node: this machine
+    check_port_free(host, port, local)
+    if local:  # a cluster on this machine loads the model
         check_model(parsed.engine_args())
     logger.info("starting the server on http://%s:%d/v1 (Ctrl-C to stop)", host, port)
     started_ray = not ray.is_initialized()
     ensure_ray(ray_address)
+    if not started_ray or not local:
+        check_shared_serve(host, port, name)  # before the try: a refusal must not remove another server's app
     try:
-        check_resources(parsed, autoscaling=not (started_ray and ray_address is None))
+        check_resources(parsed, autoscaling=placement_autoscaling())
         app = build_app(args)
         serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
         stop_signal = create_stop_signal(name)
@@ -1279,21 +1284,44 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         logger.info("shutting down")
         end_open_requests(stop_signal)
     finally:
-        _stop(started_ray)
+        _stop(started_ray, name)
     return None
 
 
-def _stop(started_ray: bool) -> None:
-    serve.shutdown()
+def check_shared_serve(host: str, port: int, name: str) -> None:
+    """On a cluster whose Serve already runs (joined with --address): a ValueError when it listens elsewhere
+    than host:port (Serve keeps its first HTTP options: the server would not be where it says) or already has an
+    application ``name`` (another specray serve's, which deploying would replace)."""
+    from ray.serve.context import _get_global_client
+
+    running = _get_global_client(raise_if_no_controller_running=False)
+    if running is None:
+        return
+    config = running.http_config
+    if (config.host, config.port) != (host, port):
+        raise ValueError(f"Serve already runs on this Ray cluster, at {config.host}:{config.port}; it keeps that "
+                         f"address, so serve there (--host {config.host} --port {config.port}), or on another "
+                         "cluster")
+    if name in serve.status().applications:
+        raise ValueError(f"an application {name!r} already runs on this Ray cluster's Serve (another specray serve?)"
+                         "; deploying would replace it: stop that server first, or use another cluster")
+
+
+def _stop(started_ray: bool, name: str) -> None:
+    """Stop what this server started: its Ray (and Serve with it), or on a cluster it joined its application,
+    and Serve too once no application is left (others' applications keep running)."""
     if started_ray:
+        serve.shutdown()
         ray.shutdown()
+        return
+    if name in serve.status().applications:
+        serve.delete(name)
+    if not serve.status().applications:
+        serve.shutdown()
 
 
 def _clean_up_failed_start(started_ray: bool, name: str) -> None:
-    if started_ray:
-        _stop(started_ray)
-    elif name in serve.status().applications:  # a Serve shared with others: remove only what we deployed
-        serve.delete(name)
+    _stop(started_ray, name)
 
 
 def deploy_app(app: Application, name: str, route_prefix: str = "/"):
@@ -1323,9 +1351,11 @@ def _last_exception_line(message: str) -> str:
     return errors[-1] if errors else message.strip()
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, local: bool = True) -> None:
     """Refuse a port that something already listens on (another ``specray serve``: Serve's proxy would share it
-    and requests would alternate between the two servers). An address of another machine is Serve's to bind."""
+    and requests would alternate between the two servers), and, where the head node is this machine (``local``),
+    a host that is not one of its addresses. On a cluster joined by address, another machine's address is Serve's
+    to bind."""
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"port={port!r} is not a TCP port; pass --port between 1 and 65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -1339,6 +1369,9 @@ def check_port_free(host: str, port: int) -> None:
             if err.errno == errno.EADDRINUSE:
                 raise ValueError(f"port {port} on {host} is already in use (another specray serve or another "
                                  "server); stop it, or pass a free --port") from None
+            if err.errno == errno.EADDRNOTAVAIL and local:
+                raise ValueError(f"--host {host} is not an address of this machine, where the server listens; pass "
+                                 "one of its addresses (127.0.0.1, or 0.0.0.0 for all)") from None
             logger.debug("not checking %s:%d here: %s", host, port, err)
 
 
@@ -1377,14 +1410,17 @@ def check_resources(args: ServeArgs, autoscaling: bool) -> None:
     drafters = 0  # the drafter runs in actors beside the ranks (Ray backend), except a head inside the target
     if on_ray and spec is not None and not drafter_registry.runs_in_worker(spec.method):
         drafters = drafter_registry.tensor_parallel_size(spec)
-    need = args.num_replicas * (args.num_cpus + ranks * placement.worker_num_cpus
-                                + drafters * placement.drafter_num_cpus)
-    if need > total:
+    # the replicas' drafters share one pool actor (is_public_pool with a pool_name)
+    pool = POOL_NUM_CPUS if drafters and placement.pool_name and drafter_registry.uses_public_pool(spec) else 0.0
+    need = pool + args.num_replicas * (args.num_cpus + ranks * placement.worker_num_cpus
+                                       + drafters * placement.drafter_num_cpus)
+    if need > total + 1e-9:
+        pooled = f" + {pool:g} for the shared pool's actor" if pool else ""
         raise ValueError(
             f"the server needs {need:g} CPUs ({args.num_replicas} replica(s) x ({args.num_cpus:g} + {ranks} "
             f"rank(s) x {placement.worker_num_cpus:g} + {drafters} drafter actor(s) x "
-            f"{placement.drafter_num_cpus:g})) but this Ray cluster has {total:g}; "
-            f"{_fitting_cpus(total / args.num_replicas - args.num_cpus, ranks, drafters, placement)}"
+            f"{placement.drafter_num_cpus:g}){pooled}) but this Ray cluster has {total:g}; "
+            f"{_fitting_cpus((total - pool) / args.num_replicas - args.num_cpus, ranks, drafters, placement)}"
             "lower --tensor-parallel-size, --pipeline-parallel-size or --num-replicas")
 
 

@@ -492,6 +492,61 @@ def test_resources_a_local_cluster_can_never_hold_are_refused_at_once(tiny_llama
         **placement, "drafter_num_cpus": 0.25}}}), autoscaling=False)
     check_resources(ServeArgs.from_dict({**three, "spec_method": "eagle3", "engine_kwargs": {  # a head: no actor
         "ray_placement": placement}}), autoscaling=False)
+    # the replicas' shared n-gram pool has an actor of its own: 0.5 + 1 + 0.5 fits 2 CPUs, not with it
+    pooled = {"model": str(tiny_llama_dir), "speculative_config": {"method": "ngram", "is_public_pool": True},
+              "engine_kwargs": {"distributed_executor_backend": "ray", "ray_placement": {"pool_name": "shared"}}}
+    with pytest.raises(ValueError, match=r"needs 2.05 CPUs .* \+ 0.05 for the shared pool's actor\)"):
+        check_resources(ServeArgs.from_dict(pooled), autoscaling=False)
+    check_resources(ServeArgs.from_dict({**pooled, "speculative_config": {"method": "ngram"}}), autoscaling=False)
+
+
+def test_serving_on_a_cluster_it_joined_leaves_others_alone(monkeypatch):
+    """On a cluster whose Serve already runs: a server that would not be at its address (Serve keeps its first
+    HTTP options), or would replace another specray serve's application, is refused; stopping removes only its
+    own application (Serve too once none is left), and the Ray it started with all in it. Addresses that cannot
+    work are refused at once: a --host not of this machine (when the head is this machine), a cluster address
+    nothing answers at."""
+    import socket
+    from types import SimpleNamespace
+
+    import ray.serve.context
+
+    from specray.cluster import serve as srv
+    from specray.cluster.ray_env import check_reachable
+
+    apps, calls = {"specray": 1, "other": 1}, []
+    monkeypatch.setattr(srv.serve, "status", lambda: SimpleNamespace(applications=dict(apps)))
+    monkeypatch.setattr(srv.serve, "delete", lambda name: (calls.append(("delete", name)), apps.pop(name)))
+    monkeypatch.setattr(srv.serve, "shutdown", lambda: calls.append(("shutdown",)))
+    monkeypatch.setattr(srv.ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
+    srv._stop(False, "specray")
+    assert calls == [("delete", "specray")] and apps == {"other": 1}  # the other application keeps running
+    srv._stop(False, "other")
+    assert calls[1:] == [("delete", "other"), ("shutdown",)]
+    calls.clear()
+    srv._stop(True, "specray")
+    assert calls == [("shutdown",), ("ray.shutdown",)]
+
+    running = SimpleNamespace(http_config=SimpleNamespace(host="127.0.0.1", port=8124))
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda raise_if_no_controller_running: running)
+    with pytest.raises(ValueError, match="Serve already runs on this Ray cluster, at 127.0.0.1:8124"):
+        srv.check_shared_serve("127.0.0.1", 8123, "specray")
+    apps["specray"] = 1
+    with pytest.raises(ValueError, match="an application 'specray' already runs"):
+        srv.check_shared_serve("127.0.0.1", 8124, "specray")
+    srv.check_shared_serve("127.0.0.1", 8124, "mine")
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda raise_if_no_controller_running: None)
+    srv.check_shared_serve("127.0.0.1", 8123, "specray")  # no Serve yet: this server starts it
+
+    with pytest.raises(ValueError, match="--host 192.0.2.1 is not an address of this machine"):
+        srv.check_port_free("192.0.2.1", 8123, local=True)
+    srv.check_port_free("192.0.2.1", 8123, local=False)  # a cluster's head elsewhere: Serve binds it there
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    with pytest.raises(ValueError, match=f"address='127.0.0.1:{closed}': nothing answers there"):
+        check_reachable(f"127.0.0.1:{closed}")
+    check_reachable("auto")
 
 
 def test_generate_passes_engine_arguments_through(tiny_llama_dir, capsys):
@@ -630,7 +685,7 @@ def test_ctrl_c_during_start_up_stops_what_started(monkeypatch, caplog, blocking
     from specray.cluster import serve as srv
 
     stopped = []
-    monkeypatch.setattr(srv, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(srv, "check_port_free", lambda host, port, local: None)
     monkeypatch.setattr(srv, "check_model", lambda engine_args: None)
     monkeypatch.setattr(srv, "ensure_ray", lambda address: None)
     monkeypatch.setattr(srv.ray, "is_initialized", lambda: False)
@@ -646,7 +701,7 @@ def test_ctrl_c_during_start_up_stops_what_started(monkeypatch, caplog, blocking
         raise KeyboardInterrupt
 
     monkeypatch.setattr(srv.ray, "get", interrupted)
-    monkeypatch.setattr(srv, "_stop", lambda started_ray: stopped.append(started_ray))
+    monkeypatch.setattr(srv, "_stop", lambda started_ray, name: stopped.append(started_ray))
     with caplog.at_level(logging.INFO, logger="specray.cluster.serve"):
         if blocking:
             try:
@@ -658,3 +713,22 @@ def test_ctrl_c_during_start_up_stops_what_started(monkeypatch, caplog, blocking
                 srv.run_server({}, blocking=False)
     assert stopped == [True]  # the local Ray it started, and Serve, shut down
     assert ("stopped before the server was up" in caplog.text) == blocking
+
+
+def test_sigterm_or_ctrl_c_before_serve_is_up_ends_the_cli_without_a_traceback(monkeypatch, capsys):
+    """``specray serve`` takes SIGTERM as Ctrl-C from the start (a model's first conversion, before Ray: its
+    partial files are removed as the interrupt unwinds) and ends with one line, its handler put back after."""
+    import signal
+
+    from specray.cluster import serve as srv
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+        pytest.fail("SIGTERM did not interrupt the start")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(srv, "run_server", terminated)
+    assert main(["serve"]) == 130
+    assert "stopped before the server was up" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -272,10 +273,21 @@ def test_a_gguf_converted_by_an_older_conversion_is_converted_again(tiny_llama_d
                                                                      monkeypatch):
     """A conversion whose version (``GGUF_CONVERSION_VERSION``) differs from the cached folder's is not served the
     older folder: the file is converted again, into a folder of its own, and the older conversion is deleted (so is
-    one of an earlier version of the file; another file's stays)."""
+    one of an earlier version of the file; another file's stays). A new conversion also deletes the partial ones
+    a killed process left (its PID gone, idle for 10 minutes), not a live process's."""
+    import subprocess
+
     path = write_gguf(tiny_llama_dir, tmp_path / "llama.gguf", "llama")
     other = resolve_model(str(shutil.copy(path, tmp_path / "other.gguf"))).path
     first = resolve_model(str(path)).path
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    abandoned, fresh, live = (first.parent / f".{name}.tmp-{pid}-ab12cd34"
+                              for name, pid in (("a", gone), ("b", gone), ("c", os.getpid())))
+    for tmp in (abandoned, fresh, live):
+        tmp.mkdir()
+    for tmp in (abandoned, live):
+        os.utime(tmp, (time.time() - 3600, time.time() - 3600))
     assert json.loads((first / loader._GGUF_MARKER).read_text())["version"] == loader.GGUF_CONVERSION_VERSION
     monkeypatch.setattr(loader, "GGUF_CONVERSION_VERSION", loader.GGUF_CONVERSION_VERSION + 1)
     converted = []
@@ -283,6 +295,7 @@ def test_a_gguf_converted_by_an_older_conversion_is_converted_again(tiny_llama_d
     monkeypatch.setattr(loader, "_write_gguf_folder", lambda *args: converted.append(args) or write(*args))
     second = resolve_model(str(path)).path
     assert converted and second != first and not first.exists() and (other / loader._GGUF_MARKER).is_file()
+    assert not abandoned.exists() and fresh.exists() and live.exists()
     assert json.loads((second / loader._GGUF_MARKER).read_text())["version"] == loader.GGUF_CONVERSION_VERSION
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
     third = resolve_model(str(path)).path

@@ -46,6 +46,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -706,6 +707,7 @@ def convert_gguf(gguf: Path) -> Path:
         logger.info("GGUF %s: using cached conversion %s", gguf, folder)
         return folder
     logger.info("GGUF %s: converting into %s", gguf, folder)
+    _drop_abandoned_conversions(folder.parent)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -723,6 +725,33 @@ def convert_gguf(gguf: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     _drop_older_conversions(gguf.resolve(), folder)
     return folder
+
+
+def _drop_abandoned_conversions(parent: Path, idle_s: float = 600.0) -> None:
+    """Delete the partial conversions a killed process left (``.NAME.tmp-PID-*``: its own cleanup never ran, as on
+    SIGKILL): those of a process no longer alive on this machine, untouched for ``idle_s`` (a cache shared with
+    other machines may hold another host's live conversion under a PID that is free here)."""
+    if not parent.is_dir():
+        return
+    for tmp in parent.glob(".*.tmp-*-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-")[0]
+        try:
+            stale = pid.isdigit() and not _alive(int(pid)) and time.time() - tmp.stat().st_mtime > idle_s
+        except OSError:  # gone meanwhile
+            continue
+        if stale:
+            logger.info("GGUF cache: removing %s, a conversion its process left unfinished", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _drop_older_conversions(gguf: Path, current: Path) -> None:
