@@ -1252,14 +1252,16 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
     :class:`ServerStartError` carrying that error."""
     parsed = ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
     local = ray_address is None and not os.environ.get("RAY_ADDRESS")  # the head node: this machine
-    check_port_free(host, port, local)
     if local:  # a cluster on this machine loads the model
+        check_port_free(host, port)
         check_model(parsed.engine_args())
     logger.info("starting the server on http://%s:%d/v1 (Ctrl-C to stop)", host, port)
     started_ray = not ray.is_initialized()
     ensure_ray(ray_address)
-    if not started_ray or not local:
-        check_shared_serve(host, port, name)  # before the try: a refusal must not remove another server's app
+    if not (started_ray and local):  # a cluster this process did not start: its Serve may run already
+        # (checked before the try: a refusal must not remove another server's application)
+        if not check_shared_serve(host, port, name) and not local:
+            check_port_free(host, port, local=False)  # no Serve there yet: its proxy binds host:port
     try:
         check_resources(parsed, autoscaling=placement_autoscaling())
         app = build_app(args)
@@ -1268,7 +1270,7 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         handle = deploy_app(app, name)
         watching = ray.get(stop_signal.wait_watchers.remote(parsed.num_replicas, 10.0))
     except BaseException as err:
-        _clean_up_failed_start(started_ray, name)
+        _stop(started_ray, name, local)
         if blocking and isinstance(err, KeyboardInterrupt):  # Ctrl-C before "serving at" (the proxy may answer
             logger.info("stopped before the server was up")  # already): stopped as a Ctrl-C after it is
             return None
@@ -1284,19 +1286,20 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         logger.info("shutting down")
         end_open_requests(stop_signal)
     finally:
-        _stop(started_ray, name)
+        _stop(started_ray, name, local)
     return None
 
 
-def check_shared_serve(host: str, port: int, name: str) -> None:
-    """On a cluster whose Serve already runs (joined with --address): a ValueError when it listens elsewhere
-    than host:port (Serve keeps its first HTTP options: the server would not be where it says) or already has an
-    application ``name`` (another specray serve's, which deploying would replace)."""
+def check_shared_serve(host: str, port: int, name: str) -> bool:
+    """Whether Serve already runs on the cluster (joined with --address), listening at host:port (its proxy then
+    holds the port); a ValueError when it listens elsewhere (Serve keeps its first HTTP options: the server would
+    not be where it says) or already has an application ``name`` (another specray serve's, which deploying would
+    replace)."""
     from ray.serve.context import _get_global_client
 
     running = _get_global_client(raise_if_no_controller_running=False)
     if running is None:
-        return
+        return False
     config = running.http_config
     if (config.host, config.port) != (host, port):
         raise ValueError(f"Serve already runs on this Ray cluster, at {config.host}:{config.port}; it keeps that "
@@ -1305,12 +1308,14 @@ def check_shared_serve(host: str, port: int, name: str) -> None:
     if name in serve.status().applications:
         raise ValueError(f"an application {name!r} already runs on this Ray cluster's Serve (another specray serve?)"
                          "; deploying would replace it: stop that server first, or use another cluster")
+    return True
 
 
-def _stop(started_ray: bool, name: str) -> None:
-    """Stop what this server started: its Ray (and Serve with it), or on a cluster it joined its application,
-    and Serve too once no application is left (others' applications keep running)."""
-    if started_ray:
+def _stop(started_ray: bool, name: str, local: bool = True) -> None:
+    """Stop what this server started: the local Ray it started (and Serve with it), or on a cluster it joined
+    (or a Ray this process was connected to before) its application, and Serve too once no application is left
+    (others' applications keep running); then leave a cluster it joined."""
+    if started_ray and local:
         serve.shutdown()
         ray.shutdown()
         return
@@ -1318,10 +1323,8 @@ def _stop(started_ray: bool, name: str) -> None:
         serve.delete(name)
     if not serve.status().applications:
         serve.shutdown()
-
-
-def _clean_up_failed_start(started_ray: bool, name: str) -> None:
-    _stop(started_ray, name)
+    if started_ray:
+        ray.shutdown()
 
 
 def deploy_app(app: Application, name: str, route_prefix: str = "/"):

@@ -519,12 +519,12 @@ def test_serving_on_a_cluster_it_joined_leaves_others_alone(monkeypatch):
     monkeypatch.setattr(srv.serve, "delete", lambda name: (calls.append(("delete", name)), apps.pop(name)))
     monkeypatch.setattr(srv.serve, "shutdown", lambda: calls.append(("shutdown",)))
     monkeypatch.setattr(srv.ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
-    srv._stop(False, "specray")
-    assert calls == [("delete", "specray")] and apps == {"other": 1}  # the other application keeps running
-    srv._stop(False, "other")
-    assert calls[1:] == [("delete", "other"), ("shutdown",)]
+    srv._stop(True, "specray", local=False)  # joined by --address: the other application keeps running
+    assert calls == [("delete", "specray"), ("ray.shutdown",)] and apps == {"other": 1}
+    srv._stop(False, "other")  # a Ray this process was connected to: the last application, then Serve
+    assert calls[2:] == [("delete", "other"), ("shutdown",)]
     calls.clear()
-    srv._stop(True, "specray")
+    srv._stop(True, "specray")  # the local Ray it started, Serve with it
     assert calls == [("shutdown",), ("ray.shutdown",)]
 
     running = SimpleNamespace(http_config=SimpleNamespace(host="127.0.0.1", port=8124))
@@ -534,9 +534,9 @@ def test_serving_on_a_cluster_it_joined_leaves_others_alone(monkeypatch):
     apps["specray"] = 1
     with pytest.raises(ValueError, match="an application 'specray' already runs"):
         srv.check_shared_serve("127.0.0.1", 8124, "specray")
-    srv.check_shared_serve("127.0.0.1", 8124, "mine")
+    assert srv.check_shared_serve("127.0.0.1", 8124, "mine")  # beside the other applications, on its port
     monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda raise_if_no_controller_running: None)
-    srv.check_shared_serve("127.0.0.1", 8123, "specray")  # no Serve yet: this server starts it
+    assert not srv.check_shared_serve("127.0.0.1", 8123, "specray")  # no Serve yet: this server starts it
 
     with pytest.raises(ValueError, match="--host 192.0.2.1 is not an address of this machine"):
         srv.check_port_free("192.0.2.1", 8123, local=True)
@@ -685,7 +685,7 @@ def test_ctrl_c_during_start_up_stops_what_started(monkeypatch, caplog, blocking
     from specray.cluster import serve as srv
 
     stopped = []
-    monkeypatch.setattr(srv, "check_port_free", lambda host, port, local: None)
+    monkeypatch.setattr(srv, "check_port_free", lambda *args, **kwargs: None)
     monkeypatch.setattr(srv, "check_model", lambda engine_args: None)
     monkeypatch.setattr(srv, "ensure_ray", lambda address: None)
     monkeypatch.setattr(srv.ray, "is_initialized", lambda: False)
@@ -701,7 +701,7 @@ def test_ctrl_c_during_start_up_stops_what_started(monkeypatch, caplog, blocking
         raise KeyboardInterrupt
 
     monkeypatch.setattr(srv.ray, "get", interrupted)
-    monkeypatch.setattr(srv, "_stop", lambda started_ray, name: stopped.append(started_ray))
+    monkeypatch.setattr(srv, "_stop", lambda started_ray, name, local: stopped.append(started_ray and local))
     with caplog.at_level(logging.INFO, logger="specray.cluster.serve"):
         if blocking:
             try:
