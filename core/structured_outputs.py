@@ -256,8 +256,9 @@ class RequestGrammar:
 
     # ---- the committed output ------------------------------------------------------------------------------
     def advance(self, tokens: Sequence[int]) -> bool:
-        """Read the output tokens the target kept; False if the grammar refuses one (its matcher then holds an
-        error: it masked every position, so only a fault of ours gets here)."""
+        """Read the output tokens the target kept (``num_tokens`` counts them all); False if the grammar refuses
+        one (its matcher then holds an error; it masked every position, so the request's own constraints, such as
+        ``allowed_token_ids``, left it no token, or a fault of ours)."""
         tokens = list(tokens)
         start = self.num_tokens
         self.num_tokens += len(tokens)

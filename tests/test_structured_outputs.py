@@ -275,6 +275,7 @@ def test_constraints_that_leave_no_token_are_refused_or_fail_their_request_alone
     failed = outs[ids[0]]
     assert failed.outputs[0].finish_reason == "error" and failed.refused  # the request's own fault
     assert failed.error.startswith("structured_outputs cannot be met") and "allowed_token_ids" in failed.error
+    assert "after 1 output tokens" in failed.error, failed.error  # the one the grammar took
     assert outs[ids[1]].error is None and outs[ids[1]].outputs[0].token_ids == references["choice"][1]
     assert not engine.tracked and not engine._grammars
 

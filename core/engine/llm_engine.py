@@ -640,7 +640,7 @@ class LLMEngine:
                     why = grammar.error.strip().splitlines()[:1]  # (the matcher's state follows: logged above)
                     refused[request.req_id] = (
                         f"structured_outputs cannot be met with the request's other constraints: after "
-                        f"{grammar.num_tokens} output tokens, allowed_token_ids / bad_words left the grammar no "
+                        f"{grammar.num_tokens - 1} output tokens, allowed_token_ids / bad_words left the grammar no "
                         f"token (token {token} came out: {''.join(why)}); allow the tokens the format needs")
                     break
                 if grammar.terminated:
