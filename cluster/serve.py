@@ -1246,9 +1246,10 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
                proxy_location: str = "HeadOnly"):
     """Deploy the server on Ray Serve at http://host:port/ (starting a local Ray when ``ray_address`` is None and
     this process is not connected yet). The HTTP proxy runs on the head node only (``proxy_location``), so
-    host:port is the one address clients use. With ``blocking`` it serves until Ctrl-C, then shuts Serve down;
-    otherwise it returns the app's handle. What can be known before Ray starts is checked first (arguments, a
-    busy port, and on a local cluster the model and its heads); a replica's construction error is raised as a
+    host:port is the one address clients use. With ``blocking`` it serves until Ctrl-C, then stops what it started
+    (:func:`_stop`); otherwise it returns the app's handle. What can be known before Ray starts is checked first
+    (arguments, and on a local cluster a busy port, the model and its heads), then on a cluster whose Serve already
+    runs that this server fits beside it (:func:`check_shared_serve`); a replica's construction error is raised as a
     :class:`ServerStartError` carrying that error."""
     parsed = ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
     local = ray_address is None and not os.environ.get("RAY_ADDRESS")  # the head node: this machine

@@ -16,6 +16,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 
+from specray.sampling_params import is_int
 from specray.training.data import DataConfig
 from specray.training.train import TrainConfig
 
@@ -40,7 +41,7 @@ class PipelineConfig:
         if unknown:
             raise ValueError(f"stages {unknown} are unknown; choose from {list(STAGES)}")
         threads = self.num_threads
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        if threads is not None and (not is_int(threads) or threads < 1):
             raise ValueError(f"num_threads={threads!r} must be an int >= 1 (torch's CPU threads), or None for "
                              "torch's default")
 
