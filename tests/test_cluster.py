@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import json
 import importlib.util
+import os
 import random
 import shutil
 import time
@@ -837,18 +838,32 @@ def test_killed_worker_fails_running_requests_at_once_keeps_waiting_ones_and_ser
         engine.executor.shutdown()
 
 
-def wait_until_dead(actor, timeout: float = 60.0) -> None:
-    """Block until a killed actor no longer answers (a call to it raises), or fail after ``timeout`` seconds."""
+def kill_and_wait(actor, timeout: float = 60.0) -> None:
+    """Kill ``actor`` and block until its process is gone, or fail after ``timeout`` seconds. Ray reports the
+    actor dead before its process exits: on a loaded machine the process (and the step channel it serves) could
+    go on answering for a while."""
     import ray
 
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=timeout)
+    ray.kill(actor)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=deadline - time.monotonic())
-        except ray.exceptions.RayActorError:
-            return
+    while process_runs(pid):
+        assert time.monotonic() < deadline, f"the killed actor {actor} (pid {pid}) still runs after {timeout:.0f}s"
         time.sleep(0.05)
-    raise AssertionError(f"the killed actor {actor} still answers after {timeout:.0f}s")
+
+
+def process_runs(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (on Linux, whose /proc says)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeypatch, caplog):
@@ -867,8 +882,7 @@ def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeyp
         for _ in range(3):
             engine.step()
         actor = engine.drafter.actor
-        ray.kill(actor)
-        wait_until_dead(actor)  # (the kill is asynchronous: on a loaded machine the actor could answer every step)
+        kill_and_wait(actor)
         done = {}
         with caplog.at_level("WARNING", logger="specray.cluster.drafter_actor"):
             while engine.has_unfinished_requests():
