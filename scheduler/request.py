@@ -209,8 +209,10 @@ def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: in
     if vocab_size is not None:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab_size}); "
-                             "pass token ids of this model's tokenizer")
+            where = (f"outside the vocabulary [0, {vocab_size})" if all(type(t) is int for t in bad)
+                     else "that are not token ids (integers)")
+            raise ValueError(f"prompt_token_ids contains {bad[:5]!r:.80} {where}; pass token ids of this model's "
+                             "tokenizer")
     if n >= max_model_len:
         raise ValueError(f"prompt_token_ids has {n} tokens but max_model_len={max_model_len} must leave room for "
                          f"at least one generated token; shorten the prompt to <= {max_model_len - 1} tokens or "

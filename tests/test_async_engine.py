@@ -134,6 +134,67 @@ def test_bad_request_does_not_disturb_others(llm, expected, aengine):
     assert asyncio.run(main()) == expected[:2]
 
 
+def test_an_aborted_request_ends_its_stream(llm, aengine):
+    """``abort(req_id)`` from another task: the request's reader gets its last output, finished with
+    finish_reason "abort", and its blocks are free."""
+    start = free_blocks(llm.engine)
+
+    async def main():
+        seen = []
+
+        async def reader():
+            async for out in aengine.generate(PROMPT_IDS[2], SamplingParams(max_tokens=100, ignore_eos=True),
+                                              req_id="aborted"):
+                seen.append(out)
+
+        task = asyncio.create_task(reader())
+        while not seen:
+            await asyncio.sleep(0.01)
+        await aengine.abort("aborted")
+        await asyncio.wait_for(task, 10)
+        return seen, await aengine.call(lambda e: (e.has_unfinished_requests(), free_blocks(e)))
+
+    seen, (unfinished, free) = asyncio.run(main())
+    assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    assert seen[-1].outputs[0].token_ids[:len(seen[0].outputs[0].token_ids)] == seen[0].outputs[0].token_ids
+    assert not unfinished and free == start
+
+
+def test_a_caller_whose_event_loop_closed_costs_only_its_request(llm, expected, aengine):
+    """A caller's loop closes with its request in flight (nothing will read it): the engine thread aborts that
+    request, frees its blocks and serves the next callers."""
+    start = free_blocks(llm.engine)
+    loop = asyncio.new_event_loop()
+    stream = aengine.generate(PROMPT_IDS[1], SamplingParams(max_tokens=100, ignore_eos=True))
+    loop.run_until_complete(stream.__anext__())
+    loop.close()
+
+    async def main():
+        deadline = asyncio.get_running_loop().time() + 10
+        while await aengine.call(lambda e: e.has_unfinished_requests()):
+            assert asyncio.get_running_loop().time() < deadline, "the orphaned request still runs"
+            await asyncio.sleep(0.02)
+        return await collect(aengine, PROMPT_IDS[0]), await aengine.call(free_blocks)
+
+    assert asyncio.run(main()) == (expected[0], start)
+    assert aengine.is_running
+
+
+@pytest.mark.parametrize("ids,params,match", [
+    ("Hello", GREEDY, "prompt_token_ids is text"),
+    ([5, 6, "7"], GREEDY, r"not token ids \(integers\)"),
+    ([5, 6], {"max_tokens": 4}, "params must be a SamplingParams, got dict"),
+    ([5, 6], None, "params must be a SamplingParams, got NoneType"),
+])
+def test_requests_of_the_wrong_types_are_clear_errors(aengine, ids, params, match):
+    async def main():
+        async for _ in aengine.generate(ids, params):
+            pass
+
+    with pytest.raises(ValueError, match=match):
+        asyncio.run(main())
+
+
 def test_after_shutdown_new_requests_fail_clearly(llm):
     aeng = AsyncLLMEngine(llm.engine)
     aeng.shutdown()
@@ -145,6 +206,23 @@ def test_after_shutdown_new_requests_fail_clearly(llm):
 
     with pytest.raises(EngineError, match="shut down"):
         asyncio.run(main())
+
+
+def test_an_engine_that_was_shut_down_refuses_requests_clearly(tiny_llama_dir):
+    """A new AsyncLLMEngine over an LLMEngine that was shut down: a clear error, not a failed step."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64)
+    llm.engine.shutdown()
+    aeng = AsyncLLMEngine(llm.engine)
+
+    async def main():
+        async for _ in aeng.generate(PROMPT_IDS[0], GREEDY):
+            pass
+
+    try:
+        with pytest.raises(EngineError, match="the engine is shut down"):
+            asyncio.run(main())
+    finally:
+        aeng.shutdown()
 
 
 def test_a_step_failing_for_one_caller_fails_only_that_caller(llm, expected, aengine):

@@ -34,8 +34,9 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # RequestOutput items, then possibly one exception
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hand ``item`` to the caller's loop; False when that loop is closed (its caller is gone)."""
+        return _on_loop(self.loop, self.queue.put_nowait, item)
 
 
 class AsyncLLMEngine:
@@ -60,6 +61,9 @@ class AsyncLLMEngine:
         first output; an engine failure, or a step that failed for this request alone (its output's
         ``finish_reason == "error"``), raises :class:`RequestFailedError` (:class:`RequestRefusedError`, a
         ValueError too, where the request's own constraints cannot be met)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}; "
+                             "build one: SamplingParams(**fields)")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         if params.structured_outputs is not None:  # a new spec compiles here, not in the step loop's thread
             await stream.loop.run_in_executor(None, self.engine.structured.compile, params.structured_outputs)
@@ -85,6 +89,7 @@ class AsyncLLMEngine:
                 self.submit(lambda e: self._abort(e, [req_id]))
 
     async def abort(self, req_id: str) -> None:
+        """Abort a request: its stream ends with its last output (``finish_reason="abort"``)."""
         await self.call(lambda e: self._abort(e, [req_id]))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -96,9 +101,9 @@ class AsyncLLMEngine:
             try:
                 result = fn(engine)
             except Exception as exc:  # handed to the caller, who raises it
-                loop.call_soon_threadsafe(_set_exception, future, exc)
+                _on_loop(loop, _set_exception, future, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, future, result)
+                _on_loop(loop, _set_result, future, result)
 
         self.submit(run)
         return await future
@@ -107,6 +112,8 @@ class AsyncLLMEngine:
         """Run ``fn(engine)`` in the engine thread, without waiting for it."""
         if self._stopped:
             raise EngineError("the engine is shut down")
+        if not self._thread.is_alive():
+            raise EngineError("the engine's thread has stopped (see the log for why); build a new engine")
         self._commands.put(fn)
         self._wake.set()
 
@@ -129,18 +136,28 @@ class AsyncLLMEngine:
         return [rid for rid, s in self._streams.items() if s is stream]
 
     def _abort(self, engine: LLMEngine, req_ids: list[str]) -> None:
-        engine.abort_request(req_ids)
+        """Abort ``req_ids``; a caller still reading one's stream gets its last output (finished)."""
+        for out in engine.abort_request(req_ids):
+            stream = self._streams.pop(out.request_id, None)
+            if stream is not None:
+                stream.put(out)
         for rid in req_ids:
             self._streams.pop(rid, None)
 
     def _run(self) -> None:
-        while not self._stopped:
-            self._drain()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
-                continue
-            self._step()
+        try:
+            while not self._stopped:
+                self._drain()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._step()
+        except Exception as err:  # our own bug: the thread ends, and its callers hear it instead of waiting
+            logger.exception("the engine's thread failed")
+            self._stopped = True
+            self._fail_all(EngineError(f"the engine's thread failed: {err!r}"))
+            return
         self._fail_all(EngineError("the engine is shut down"))
 
     def _drain(self) -> None:
@@ -164,14 +181,22 @@ class AsyncLLMEngine:
             logger.exception("engine step failed")
             self._fail_all(EngineError(f"engine step failed: {err!r}"))
             return
+        gone = []  # requests whose caller's event loop is closed: nobody reads them
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                # a step failed for this request alone: its caller gets the error, the others go on
-                stream.put(out if out.error is None else (RequestRefusedError if out.refused else RequestFailedError)(
-                    out.request_id, out.error))
-                if out.finished:
-                    del self._streams[out.request_id]
+            if stream is None:
+                continue
+            # a step failed for this request alone: its caller gets the error, the others go on
+            item = out if out.error is None else (RequestRefusedError if out.refused else RequestFailedError)(
+                out.request_id, out.error)
+            delivered = stream.put(item)
+            if out.finished or not delivered:
+                del self._streams[out.request_id]
+            if not delivered and not out.finished:
+                gone.append(out.request_id)
+        if gone:
+            logger.warning("aborting %d requests whose caller's event loop closed: %s", len(gone), gone[:8])
+            self.engine.abort_request(gone)
         if self.on_step is not None:
             self.on_step(self.engine, outputs)
 
@@ -182,6 +207,15 @@ class AsyncLLMEngine:
         finally:
             for rid in req_ids:
                 self._streams.pop(rid).put(RequestFailedError(rid, err))
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
+    """Run ``fn(*args)`` on ``loop`` (from another thread); False when the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed": its caller is gone
+        return False
+    return True
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -16,7 +16,7 @@ from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_chea
 from specray.drafters.prediction import METHOD as PREDICTION, PredictionDrafter
 from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, resolved, start_step
-from specray.errors import RequestError, StepError, WorkerDiedError
+from specray.errors import EngineError, RequestError, StepError, WorkerDiedError
 from specray.lora import AdapterChecker
 from specray.multimodal import MODALITIES, MultiModalInputs, check_image_prompt, check_mm_counts
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
@@ -86,6 +86,7 @@ class LLMEngine:
         self._worker_drafts: dict[str, list[int] | DraftTree] = {}  # a chain, or a tree
         self._worker_probes: set[str] = set()  # requests whose drafts in the making are the policy's probe
         self.tracked: dict[str, _Tracked] = {}
+        self.is_shut_down = False  # shutdown() released the workers: no more requests
         self.spec_stats = SpecStats()
         self.num_steps = 0
         self.clock = time.perf_counter  # times steps for the draft policy's cost fit (a replay sets a virtual one)
@@ -129,6 +130,14 @@ class LLMEngine:
         nothing. ``multimodal``: its prompt's images (:func:`specray.multimodal.expand_prompt` made the prompt).
         The request keeps a copy of ``params`` (resolved: ``max_tokens`` for its prompt, ...): the caller's may be
         used again for another prompt."""
+        if self.is_shut_down:
+            raise EngineError("the engine is shut down (LLMEngine.shutdown()); build a new one")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}; "
+                             "build one: SamplingParams(**fields)")
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise ValueError(f"prompt_token_ids is text ({prompt_token_ids[:40]!r}), not token ids: tokenize it "
+                             "first (tokenizer.encode), or give the text to LLM.generate")
         params = copy.copy(params)
         if params.n != 1:
             raise ValueError(f"n={params.n}: the engine runs one sequence per request; add one request per choice "
@@ -214,10 +223,13 @@ class LLMEngine:
         self.router.prepare(method)
         return True
 
-    def abort_request(self, req_ids: list[str]) -> None:
+    def abort_request(self, req_ids: list[str]) -> list[RequestOutput]:
+        """Finish these requests now and free their blocks; unknown or finished ids are ignored. Returns each
+        aborted request's last output (``finish_reason="abort"``), for a caller still reading its stream."""
         live = [r for r in req_ids if r in self.tracked]
-        self.scheduler.abort_requests(live)
+        outputs = [self._make_output(self.tracked[req.req_id]) for req in self.scheduler.abort_requests(live)]
         self._forget(live)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         """Requests left to step, outputs a step has yet to report (``async_scheduling``, a failed step's), or
@@ -234,6 +246,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the executor's workers and a remote drafter; every request the engine holds is dropped."""
+        self.is_shut_down = True
         self.abort_request(list(self.tracked))
         if self.drafter is not None:
             self.drafter.shutdown()
@@ -1009,7 +1022,8 @@ class LLMEngine:
         text leaves it out unless ``include_stop_str_in_output``, special or not); finish the request on a stop
         string."""
         request, detok = tracked.request, tracked.detok
-        stops = request.sampling_params.stop
+        # an aborted request's text is what it has: a stop string in its last tokens finishes nothing
+        stops = request.sampling_params.stop if request.finish_reason not in ("abort", "error") else None
         outputs = request.output_token_ids
         end = _text_end(request)
         while detok is not None and tracked.num_sent < end:
