@@ -31,6 +31,9 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # what precedes a module's name in PEFT's tensor names (``base_model.model.`` + the base model's own name)
 _PEFT_PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+_LORA_BIAS = re.compile(r".+\.lora_[AB](?:\.[^.]+)?\.bias$")  # a trained LoRA bias (PEFT's lora_bias=True)
+_NO_LORA_BIAS = ("trained LoRA biases (lora_bias) are not supported: train the adapter with lora_bias=False, or "
+                 "merge it into the base model")
 # an adapter of a multimodal release (Gemma 3's, Llama-4's ...ForConditionalGeneration): its text model's modules
 # under these names (transformers' older layout, then its newer one) are the text model's own ``model.``
 _TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
@@ -116,12 +119,18 @@ class AdapterInfo:
         return self.lora_alpha / (rank ** 0.5 if self.use_rslora else rank)
 
 
+def peft_module_of(key: str) -> str | None:
+    """A PEFT tensor name -> the module it adapts as PEFT named it (the adapted model's own name, which
+    ``target_modules`` and ``rank_pattern`` match); None for a tensor that is not a LoRA matrix."""
+    match = _LORA_KEY.fullmatch(key.removeprefix(_PEFT_PREFIX))
+    return None if match is None else match["module"]
+
+
 def module_of(key: str) -> tuple[str, str] | None:
     """A PEFT tensor name -> (the base model's module it adapts, "A" or "B"), a multimodal release's text modules
     named as the text model's (``model.layers...``); None for a tensor that is not a LoRA matrix (e.g.
     ``lora_embedding_A``, a saved module)."""
-    if key.startswith(_PEFT_PREFIX):
-        key = key[len(_PEFT_PREFIX):]
+    key = key.removeprefix(_PEFT_PREFIX)
     for prefix in _TEXT_MODEL_PREFIXES:
         if key.startswith(prefix):
             key = "model." + key[len(prefix):]
@@ -171,11 +180,55 @@ def read_adapter_config(folder: Path) -> dict:
     if config.get("bias", "none") != "none":
         raise ValueError(f"{folder / ADAPTER_CONFIG}: bias={config['bias']!r}; only adapters without trained biases "
                          "(bias='none') are supported")
+    if config.get("lora_bias"):
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: lora_bias={config['lora_bias']!r}; {_NO_LORA_BIAS}")
+    if "r" not in config:
+        raise ValueError(f"{folder / ADAPTER_CONFIG} has no r: give the rank of its LoRA matrices (as PEFT's "
+                         "save_pretrained writes it)")
     for field in ("r", "lora_alpha"):
         value = config.get(field, 8)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(f"{folder / ADAPTER_CONFIG}: {field}={value!r} must be a number > 0")
+    targets = config.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and (
+            not isinstance(targets, list) or not all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: target_modules={targets!r:.100} must be a list of module names "
+                         "or a regular expression (a string)")
+    pattern = config.get("rank_pattern") or {}
+    if not isinstance(pattern, dict) or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0
+                                                for r in pattern.values()):
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: rank_pattern={pattern!r:.100} must map module patterns to "
+                         "ranks (ints > 0)")
+    regexes = [("rank_pattern", key) for key in pattern]
+    if isinstance(targets, str):
+        regexes.append(("target_modules", targets))
+    for field, regex in regexes:
+        try:
+            re.compile(regex)
+        except re.error as err:
+            raise ValueError(f"{folder / ADAPTER_CONFIG}: {field} holds {regex!r:.100}, not a regular expression "
+                             f"({err})") from None
     return config
+
+
+def targeted(module: str, targets: list[str] | str | None) -> bool:
+    """Whether PEFT adapts ``module`` (the adapted model's name for it) under ``target_modules``: a list names
+    modules by their name or its last parts (``q_proj``), a string is a regular expression the whole name matches,
+    ``"all-linear"`` any linear layer (specray's own check then says which it adapts); None: not recorded."""
+    if targets is None or targets == "all-linear":
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def config_rank(config: dict, module: str) -> int:
+    """The rank PEFT gives ``module``: its ``rank_pattern`` entry (the first whose pattern matches the name's end, at
+    a ``.``), else ``r``."""
+    for pattern, rank in (config.get("rank_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return rank
+    return config["r"]
 
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
@@ -219,6 +272,8 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
     towers = set()
     for key, shape in tensors.items():
         found = module_of(key)
+        if found is None and _LORA_BIAS.fullmatch(key):
+            raise ValueError(f"lora adapter {path!r}: tensor {key!r} is a LoRA bias; {_NO_LORA_BIAS}")
         if found is None:
             raise ValueError(f"lora adapter {path!r}: tensor {key!r} is not a LoRA matrix of a projection "
                              "(embeddings, LM heads and saved modules are not supported)")
@@ -233,10 +288,19 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
             raise ValueError(f"lora adapter {path!r}: {key} has shape {shape}; a LoRA matrix is 2-D")
         if shapes is not None:
             check_shape(path, ours, which, shape, shapes)
+        named = peft_module_of(key)
+        if not targeted(named, config.get("target_modules")):
+            raise ValueError(f"lora adapter {path!r} holds LoRA matrices of {named!r}, which its target_modules="
+                             f"{config['target_modules']!r:.200} does not name: save the adapter again with PEFT, "
+                             "or fix target_modules in its adapter_config.json")
         seen.setdefault(module, set()).add(which)
         rank = shape[0] if which == "A" else shape[1]
         if ranks.setdefault(module, rank) != rank:
             raise ValueError(f"lora adapter {path!r}: {module}'s lora_A and lora_B disagree on the rank")
+        if rank != config_rank(config, named):
+            raise ValueError(f"lora adapter {path!r}: {named}'s LoRA matrices have rank {rank}, but its "
+                             f"adapter_config.json gives it r={config_rank(config, named)} (r, or its rank_pattern "
+                             "entry): the config does not describe these tensors; fix r (or rank_pattern)")
     for module, pair in seen.items():
         if pair != {"A", "B"}:
             raise ValueError(f"lora adapter {path!r}: {module} has lora_{''.join(pair)} without its other half")

@@ -447,9 +447,11 @@ def write_lora(base: Path, dst: Path, rank: int = 4, alpha: float = 8.0, seed: i
         tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * std
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "adapter_model.safetensors"))
+    # (modules=(): the config of tensors the caller writes, of any linear layers)
     adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora,
-                      "target_modules": list(modules), "bias": "none", "base_model_name_or_path": str(base),
-                      "task_type": "CAUSAL_LM", "model_type": config.get("model_type")}
+                      "target_modules": list(modules) or "all-linear", "bias": "none",
+                      "base_model_name_or_path": str(base), "task_type": "CAUSAL_LM",
+                      "model_type": config.get("model_type")}
     adapter_config.update(config_extra or {})
     (dst / "adapter_config.json").write_text(json.dumps(adapter_config))
     return dst

@@ -429,6 +429,71 @@ def test_qwen3_next_fused_linear_projections_are_admitted_with_their_shapes(tmp_
         read_adapter(str(fused), shapes, 4)
 
 
+_Q, _V = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"
+
+
+def _written(folder: Path, config: dict, ranks: dict[str, int], extra: dict | None = None) -> str:
+    """An adapter folder of ``config`` (over r=4, alpha 8, target_modules q and v) whose tensors adapt each module
+    of ``ranks`` (as PEFT names them under ``base_model.model.``) at its rank, with ``extra`` tensors (name ->
+    shape)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    tensors = {f"base_model.model.{k}": torch.zeros(shape) for k, shape in (extra or {}).items()}
+    for module, rank in ranks.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.zeros(rank, 8)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(8, rank)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], **config}
+    (folder / "adapter_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("config, ranks, extra, refusal", [
+    ({}, {_Q: 8}, None, r"q_proj's LoRA matrices have rank 8, but its adapter_config.json gives it r=4"),
+    ({"r": None}, {_Q: 8}, None, "adapter_config.json has no r"),
+    ({"rank_pattern": {"v_proj": 8}}, {_Q: 4, _V: 8}, None, None),  # PEFT's per-module ranks
+    ({"rank_pattern": {"v_proj": 8}}, {_Q: 8, _V: 8}, None, "q_proj's .* rank 8, .* r=4"),
+    ({"target_modules": ["q_proj"]}, {_Q: 4, _V: 4}, None, r"of 'model.layers.0.self_attn.v_proj', which its "
+                                                           r"target_modules=\['q_proj'\] does not name"),
+    ({"target_modules": r".*\.q_proj"}, {_Q: 4, _V: 4}, None, "v_proj', which its target_modules"),
+    ({"target_modules": r".*\.(q_proj|v_proj)"}, {_Q: 4, _V: 4}, None, None),
+    ({"target_modules": [_Q, "v_proj"]}, {_Q: 4, _V: 4}, None, None),  # a whole name, or its last parts
+    ({"target_modules": "all-linear"}, {_Q: 4, _V: 4}, None, None),
+    ({"target_modules": "(q_proj"}, {_Q: 4}, None, "target_modules holds '\\(q_proj', not a regular expression"),
+    ({}, {_Q: 4}, {f"{_Q}.lora_B.bias": [8]}, r"lora_B.bias' is a LoRA bias; trained LoRA biases \(lora_bias\)"),
+    ({"lora_bias": True}, {_Q: 4}, None, r"lora_bias=True; trained LoRA biases \(lora_bias\) are not supported"),
+], ids=["r-below-the-rank", "no-r", "rank_pattern", "rank_pattern-r-below", "outside-the-list", "outside-the-regex",
+        "in-the-regex", "full-name", "all-linear", "bad-regex", "bias-tensor", "lora_bias"])
+def test_an_adapter_config_must_describe_its_tensors(config, ranks, extra, refusal, tmp_path):
+    """PEFT's config says which modules an adapter adapts (target_modules: names or their last parts, a regular
+    expression of the whole name, all-linear) at which rank (r, rank_pattern's per-module r): an adapter whose
+    tensors it does not describe is refused (scaled by alpha / r, a rank other than r would change its outputs),
+    as one with trained LoRA biases is."""
+    from specray.lora import read_adapter
+
+    path = _written(tmp_path / "a", config, ranks, extra)
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
+            read_adapter(path, None, 16)
+        return
+    info = read_adapter(path, None, 16)
+    assert info.ranks == ranks
+
+
+def test_an_adapter_s_tensors_without_prefix_or_with_their_adapter_s_name_are_its_modules(tmp_path):
+    """PEFT's tensor names without ``base_model.model.`` or with the adapter's name (``lora_A.default.weight``)
+    name the same modules, which target_modules covers as it does the plain names."""
+    from safetensors.torch import save_file
+
+    from specray.lora import read_adapter
+
+    path = _written(tmp_path / "a", {"target_modules": ["q_proj"]}, {})
+    save_file({f"{_Q}.lora_A.default.weight": torch.zeros(4, 8), f"{_Q}.lora_B.default.weight": torch.zeros(8, 4)},
+              str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert read_adapter(path, None, 16).ranks == {_Q: 4}
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 
 import specray_test_engine_runs as runs  # tests/engine_runs.py (registered by conftest)
