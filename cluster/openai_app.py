@@ -1512,7 +1512,7 @@ class OpenAIServing:
         except BaseException as exc:
             fanout.close()
             if isinstance(exc, ValueError):  # refused at admission (a regex or schema the engine cannot compile)
-                raise to_openai_error(exc, req.structured_outputs_param()) from None
+                raise to_openai_error(self._as_client_sees(exc), req.structured_outputs_param()) from None
             raise
         if req.stream:
             body = self._stream(fanout, choices, fmt, first, req.include_usage, req.continuous_usage)
@@ -1521,12 +1521,23 @@ class OpenAIServing:
             while first is not None:
                 first = await fanout.next()
         except ValueError as exc:  # its own constraints cannot be met (RequestRefusedError)
-            raise to_openai_error(exc, req.structured_outputs_param()) from None
+            raise to_openai_error(self._as_client_sees(exc), req.structured_outputs_param()) from None
         finally:
             fanout.close()
         body = fmt.response(choices, _usage(choices))
         await fmt.flush()
         return JSONResponse(body)
+
+    def _as_client_sees(self, err: ValueError) -> ValueError:
+        """A refusal as its client reads it: an adapter of the adapter folder (``lora_dir``) named by its name there,
+        not by the server's path to it (the log keeps the path)."""
+        if self.config.lora_dir is None:
+            return err
+        folder, message = str(Path(self.config.lora_dir)), str(err)
+        if folder not in message:
+            return err
+        logger.info("refused a request: %s", message)
+        return ValueError(message.replace(folder + "/", "").replace(folder, "the adapter folder"))
 
     def _admit(self, num_requests: int) -> None:
         """Count a request's first engine requests as queued, or 503 when they would not fit the queue (the
