@@ -43,8 +43,8 @@ from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, Req
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
 from specray.errors import EngineError
-from specray.multimodal import (TEXT_ONLY, MultiModalInputs, audio_clips, expand_prompt, load_audio, load_image,
-                                load_video, video_frames)
+from specray.multimodal import (TEXT_ONLY, MultiModalInputs, audio_clips, check_placeholders, expand_prompt,
+                                load_audio, load_image, load_video, video_frames)
 from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, RUNTIME_IDS, LoRARequest, dynamic_lora_id, read_adapter
 from specray.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -1423,8 +1423,20 @@ class OpenAIServing:
         if isinstance(prompt, str):
             self._check_prompt_chars(prompt, "prompt")
             with _user_text_errors("prompt"):
-                return _Prompt(prompt, self.client.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        return _Prompt(None, list(prompt))
+                encoded = _Prompt(prompt, self.client.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        else:
+            encoded = _Prompt(None, list(prompt))
+        self._check_no_placeholders(encoded.token_ids, "prompt")
+        return encoded
+
+    def _check_no_placeholders(self, token_ids: list[int], param: str) -> None:
+        """A 400 for a prompt sent without images (videos, audios) that holds their placeholders."""
+        processor = getattr(self.client, "image_processor", None)
+        if processor is not None:
+            try:
+                check_placeholders(token_ids, processor)
+            except ValueError as err:
+                raise proto.bad_request(f"{param}: {err}", param) from None
 
     def _encode_chat_prompt(self, req: proto.ChatCompletionRequest | proto.TokenizeRequest,
                             add_special_tokens: bool = False) -> _Prompt:
@@ -1448,6 +1460,7 @@ class OpenAIServing:
         with _user_text_errors("messages"):
             ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not any(media.values()):
+            self._check_no_placeholders(ids, "messages")
             return _Prompt(text, ids)
         try:
             domains = self.config.allowed_media_domains

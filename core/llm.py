@@ -17,8 +17,8 @@ from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_model_args, default_sampling_fields
 from specray.lora import LoRARequest
 from specray.models.loader import engine_image_processor
-from specray.multimodal import (AUDIO, IMAGE, TEXT_ONLY, VIDEO, MultiModalInputs, check_image_prompt, expand_prompt,
-                                media_of)
+from specray.multimodal import (AUDIO, IMAGE, TEXT_ONLY, VIDEO, MultiModalInputs, check_image_prompt,
+                                check_placeholders, expand_prompt, media_of)
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
@@ -56,7 +56,8 @@ class LLM:
             self.engine = build_engine(self.engine_args)
             self.engine.closed_batches = True  # generate() returns when its whole batch is done
             self._tokenizer = self.engine.tokenizer
-        self._image_processor = None  # a vision-language model's (specray.multimodal), built on the first image
+        self._image_processor = None  # a vision-language model's (specray.multimodal), built on the first prompt
+        self._processor_read = False  # whether _image_processor is built (None: the model takes no images)
         # runs once: on shutdown(), on garbage collection, or at exit; holds the engine, never self
         self._release = weakref.finalize(self, _release_engine, self.engine)
 
@@ -183,12 +184,15 @@ class LLM:
         text, ids = self._tokens(prompt)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         media = {} if data is None else media_of(data)
+        if not self._processor_read:
+            self._image_processor = engine_image_processor(self.engine_args)
+            self._processor_read = True
         if not any(media.values()):
+            if self._image_processor is not None:  # no placeholder without its image
+                check_placeholders(ids, self._image_processor)
             return text, params.prompt_tokens(ids), None
         if self._image_processor is None:
-            self._image_processor = engine_image_processor(self.engine_args)
-            if self._image_processor is None:
-                raise ValueError(TEXT_ONLY)
+            raise ValueError(TEXT_ONLY)
         ids, mm = expand_prompt(ids, media[IMAGE], self._image_processor, media[VIDEO], media[AUDIO])
         check_image_prompt(mm, ids, params.truncate_prompt_tokens)
         return text, ids, mm

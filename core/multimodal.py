@@ -182,13 +182,17 @@ def load_image(source: Any, local: bool = True, domains: Collection[str] | None 
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(source, Image.Image):
-        return source.convert("RGB")
-    data = media_bytes(source, IMAGE, local, domains)
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise ValueError(f"the image could not be decoded ({err}); send a PNG, JPEG, WebP or GIF image") from None
+        image = source
+    else:
+        data = media_bytes(source, IMAGE, local, domains)
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            raise ValueError(f"the image could not be decoded ({err}); send a PNG, JPEG, WebP or GIF image") from None
+    if image.width == 0 or image.height == 0:
+        raise ValueError(f"the image is {image.width}x{image.height} pixels, empty: send an image of at least one "
+                         "pixel each way")
     return image.convert("RGB")
 
 
@@ -506,13 +510,7 @@ def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor,
         if given[kind] and token_of[kind] is None:
             raise ValueError(f"this model's processor takes no {PLURAL[kind]} (only "
                              f"{' and '.join(PLURAL[k] for k in takes)}): send the prompt without {PLURAL[kind]}")
-    slots = [(i, kind) for i, t in enumerate(token_ids) for kind in takes if t == token_of[kind]]
-    for kind in takes:
-        held = sum(k == kind for _, k in slots)
-        if held != len(given[kind]):
-            raise ValueError(f"the prompt holds {held} {kind} placeholder token(s) (id {token_of[kind]}) but "
-                             f"{len(given[kind])} {kind}(s) were given: put one placeholder per {kind} in the prompt "
-                             f"(the chat template writes one per {kind} content part)")
+    slots = check_placeholders(token_ids, processor, {kind: len(items) for kind, items in given.items()})
     out: list[int] = []
     items: list[MultiModalItem] = []
     last = 0
@@ -535,6 +533,23 @@ def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor,
     if rope is not None:
         mm.rope_positions, mm.rope_delta = rope
     return out, mm
+
+
+def check_placeholders(token_ids: Sequence[int], processor: ImageProcessor, counts: dict[str, int] | None = None
+                       ) -> list[tuple[int, str]]:
+    """The prompt's placeholders (index, kind), in order; a ValueError unless each kind's number of them is the
+    number of its items the request gave (``counts``, kind -> number; None: a prompt sent without any)."""
+    token_of = {kind: getattr(processor, f"{kind}_token_id", None) for kind in MODALITIES}
+    takes = [kind for kind in MODALITIES if token_of[kind] is not None]
+    slots = [(i, kind) for i, t in enumerate(token_ids) for kind in takes if t == token_of[kind]]
+    for kind in takes:
+        held, given = sum(k == kind for _, k in slots), (counts or {}).get(kind, 0)
+        if held != given:
+            raise ValueError(f"the prompt holds {held} {kind} placeholder token(s) (id {token_of[kind]}) but "
+                             f"{given} {kind}(s) were given: put one placeholder per {kind} in the prompt (the chat "
+                             f"template writes one per {kind} content part), or send the {PLURAL[kind]} in "
+                             "multi_modal_data")
+    return slots
 
 
 MEDIA_IO_KEYS = {VIDEO: ("num_frames",)}  # what media_io_kwargs may set, per kind

@@ -361,10 +361,21 @@ def test_sampled_and_structured_requests_with_images(tiny_llama_dir, vision):
 
 
 def test_images_refused_where_not_served(tiny_llama_dir, vision):
+    """A prompt with images where they cannot be served, placeholders without their images (no multi_modal_data, or
+    no image in it), an empty image: a ValueError saying so."""
+    from PIL import Image
+
     llm = LLM(model=str(tiny_llama_dir), max_model_len=64)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate({"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": _image(1)}},
                      SamplingParams(max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)
+    for prompt in ({"prompt_token_ids": PROMPT_A}, {"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": []}}):
+        with pytest.raises(ValueError, match="holds 1 image placeholder token.*but 0 image.*send the images in"):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    for size in ((0, 0), (5, 0)):
+        with pytest.raises(ValueError, match=f"the image is {size[0]}x{size[1]} pixels, empty"):
+            llm.generate({"prompt_token_ids": PROMPT_A, "multi_modal_data": {"image": Image.new("RGB", size)}},
+                         SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_text_model_refuses_images(tiny_llama_dir):
@@ -436,6 +447,9 @@ def test_server_chat_with_image_url_equals_llm_chat(image_chat_dir, vision):
             audio = {**body, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}
             status, err = http_json(chat, audio)
             assert status == 400 and "input_audio" in err["error"]["message"]
+            status, err = http_json(chat, {**body, "messages": [{"role": "user", "content": "The <image> fox"}]})
+            assert status == 400 and err["error"]["param"] == "messages", err  # a placeholder without its image
+            assert "1 image placeholder token(s) (id 3) but 0 image(s)" in err["error"]["message"]
     finally:
         aengine.shutdown()
 
