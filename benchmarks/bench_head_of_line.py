@@ -66,8 +66,15 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=3.0, help="seconds between the long and the short request")
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
+    for flag, least in (("long_words", 1), ("delay", 0), ("rounds", 1)):
+        if getattr(args, flag) < least:
+            p.error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     base = args.base_url.rstrip("/").removesuffix("/v1")
-    model = asyncio.run(served_model(base))
+    try:
+        model = asyncio.run(served_model(base))
+    except (aiohttp.ClientError, ValueError, KeyError, IndexError) as err:
+        p.error(f"no OpenAI server answers /v1/models at {base} ({type(err).__name__}: {err}); start one (specray serve) or "
+                "give its --base-url")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     print(f"# {platform.machine()}, {when} UTC, commit {commit}, {base}, model {model}, "

@@ -72,9 +72,9 @@ def run(model: str, args) -> dict:
 
     run_server({"model": model, "max_model_len": args.prompt_len + args.max_tokens + 64,
                 "max_num_seqs": args.concurrency, "spec_method": args.spec_method, "num_spec_tokens": 3,
-                "max_queue_len": 1000}, blocking=False)
+                "max_queue_len": 1000}, port=args.port, blocking=False)
     prompts = [" ".join(f"item {i} of list {j}" for i in range(args.prompt_len // 6)) for j in range(8)]
-    common = dict(base_url="http://127.0.0.1:8000", model=None, prompts=prompts, max_tokens=args.max_tokens,
+    common = dict(base_url=f"http://127.0.0.1:{args.port}", model=None, prompts=prompts, max_tokens=args.max_tokens,
                   stream=True, extra_body={"ignore_eos": True}, concurrency=args.concurrency)
     benchmark(num_requests=args.concurrency, **common)  # warm up
     summary = benchmark(num_requests=None, duration_s=args.duration, **common)
@@ -90,7 +90,11 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds measured, after a warm-up round")
     parser.add_argument("--spec-method", default="ngram")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--port", type=int, default=8000, help="the server's port on 127.0.0.1")
     args = parser.parse_args()
+    for flag in ("max_tokens", "prompt_len", "concurrency", "duration", "repeats", "port"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     import ray
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
