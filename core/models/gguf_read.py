@@ -1,7 +1,8 @@
 """What the GGUF readers of our own (``specray.models.gguf_*``, listed in the loader's ``_GGUF_READERS``) share: the
 file's metadata, looked up by key with an error naming what is missing; its tensors, dequantized one at a time as
 they are read and grouped by layer; gguf-py's tensor map, by which llama.cpp's converter named them; the check that
-the file holds the tensors its metadata describes."""
+the file holds the tensors its metadata describes. :func:`parsed_gguf`: gguf-py's parse of a file, refusing a
+truncated or corrupt one by name."""
 
 from __future__ import annotations
 
@@ -56,6 +57,35 @@ class GGUFTensors(MutableMapping):
     def split(self, names) -> GGUFTensors:
         """The given tensors moved into a mapping of their own, none read."""
         return GGUFTensors({name: self._entries.pop(name) for name in list(names)})
+
+
+def parsed_gguf(gguf: Path, reader_class: type | None = None) -> Any:
+    """gguf-py's reader (``reader_class``: that class or a subclass) of ``gguf``, its header read; a ValueError
+    naming the file where it is not a readable GGUF, and the first tensor whose data lies past the file's end where
+    it is cut short (gguf-py's own error for that is a bare numpy reshape)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    cut: list[str] = []  # the message for a tensor past the file's end
+
+    class Checked(reader_class or GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            for field in fields:
+                name, dims, ggml_type, offset = (field.parts[i] for i in (1, 3, 4, 5))
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type[0]))]
+                end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+                if end > len(self.data):
+                    cut.append(f"GGUF {str(gguf)!r} is truncated or corrupt: its tensor "
+                               f"{bytes(name).decode(errors='replace')!r} ends at byte {end}, past the file's "
+                               f"{len(self.data)} bytes; download or convert the file again")
+                    raise ValueError(cut[0])
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return Checked(str(gguf))
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError) as err:
+        raise ValueError(cut[0] if cut else f"GGUF {str(gguf)!r} is truncated or corrupt: gguf-py cannot read it "
+                         f"({err}); download or convert the file again") from None
 
 
 def read_model_gguf(gguf: Path, arch: str) -> tuple[GGUFMeta, GGUFTensors]:

@@ -77,7 +77,7 @@ from specray.models.gguf_phimoe import PHIMOE_GGUF_ARCHS, phimoe_gguf_checkpoint
 from specray.models.gguf_mimo2 import MIMO2_GGUF_ARCHS, mimo2_gguf_checkpoint
 from specray.models.gguf_mistral4 import MISTRAL4_GGUF_ARCHS, mistral4_gguf_checkpoint
 from specray.models.gguf_qwen3_5 import QWEN3_5_GGUF_ARCHS, qwen3_5_gguf_checkpoint
-from specray.models.gguf_read import GGUFMeta, dequantized as gguf_dequantized, rope_parameters
+from specray.models.gguf_read import GGUFMeta, dequantized as gguf_dequantized, parsed_gguf, rope_parameters
 from specray.models.gguf_quant import RowIndex, keeps_name, stored_weights
 from specray.models.int_quant import IntScheme, IntWeight, dequantized as int_dequantized, gguf_parts, \
     gguf_quantization_config, int_scheme, keeps_int4, pack_int4, random_int4
@@ -1116,7 +1116,7 @@ def _parsed_once(gguf: Path) -> Iterator[Any]:
 
     with _PARSE_LOCK:
         reader_class = gguf_module.GGUFReader
-        parsed = reader_class(str(gguf))
+        parsed = parsed_gguf(gguf, reader_class)  # a ValueError naming a truncated or corrupt file
 
         class Reader(reader_class):
             def __new__(cls, path, *args, **kwargs):
