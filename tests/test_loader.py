@@ -122,6 +122,17 @@ def test_config_and_tokenizer(tiny_llama_dir):
     assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
 
+def test_a_folder_without_tokenizer_files_names_the_tokenizer_option(tiny_llama_dir, tmp_path):
+    """A model folder with no tokenizer files is a ValueError naming the files looked for and the ``tokenizer``
+    option, not transformers' error about converting a slow tokenizer; one with a tokenizer file loads it."""
+    folder = copy_config(tiny_llama_dir, tmp_path / "no_tokenizer")
+    with pytest.raises(ValueError, match=r"has no tokenizer files \(tokenizer\*, \*\.model, .*pass tokenizer= "
+                                         r"\(--tokenizer\)"):
+        load_tokenizer(str(folder))
+    shutil.copy(tiny_llama_dir / "tokenizer.json", folder)
+    assert load_tokenizer(str(folder)).encode("hi")
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 

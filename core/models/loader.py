@@ -349,7 +349,18 @@ def load_tokenizer(model: str | os.PathLike, trust_remote_code: bool = False):
 
     folder = resolve_model(model, weights=False).path
     with _remote_code_errors(model):
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        try:
+            return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        except (ValueError, OSError) as err:
+            if any(file for pattern in _TOKENIZER_FILES for file in Path(folder).glob(pattern)):
+                raise
+            raise ValueError(f"{str(model)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in "
+                             f"{str(folder)!r}; pass tokenizer= (--tokenizer): a folder or hub id holding the "
+                             "model's tokenizer") from err
+
+
+# the files a tokenizer is read from (transformers' fast and slow ones: BPE, SentencePiece, WordPiece, tiktoken)
+_TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab*", "merges.txt", "*.tiktoken", "tekken.json")
 
 
 @contextlib.contextmanager
