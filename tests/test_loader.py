@@ -181,6 +181,45 @@ def test_bad_paths(tmp_path, tiny_llama_dir):
         resolve_model(str(tmp_path / "weights.txt"))
 
 
+@pytest.mark.parametrize("case, match", [
+    ("config", r"config.json' is unreadable: not valid JSON \(Expecting .*fix it, or download the model again"),
+    ("safetensors", r"model.safetensors' is unreadable: not a complete safetensors file \(.*download or save it"),
+    ("bin", r"pytorch_model.bin' is unreadable: torch.load\(weights_only=True\) cannot read it \(UnpicklingError: "
+            r"Unsupported operand \d+\); the file is corrupt"),
+    ("missing_shard", r"index.json' lists weight files the folder lacks: \['model-2.safetensors'\] \(1 of 2\)"),
+    ("stale_index", None),  # an index beside one model.safetensors: the file is read, as transformers reads it
+    ("legacy_bin", None),  # torch's format before 1.6 (not a zip archive: read whole, not memory-mapped)
+], ids=["config", "safetensors", "bin", "missing_shard", "stale_index", "legacy_bin"])
+def test_unreadable_checkpoint_files_are_named(tiny_llama_dir, tmp_path, case, match):
+    """A corrupt or half-written config.json, safetensors or torch file, or an index whose shards are missing, is a
+    ValueError naming the file, not the parser's own error; a stale index beside one file and a legacy torch file
+    load."""
+    from safetensors.torch import load_file
+
+    folder = copy_config(tiny_llama_dir, tmp_path / case)
+    weights = tiny_llama_dir / "model.safetensors"
+    if case in ("config", "stale_index"):
+        shutil.copy(weights, folder)
+    if case == "config":
+        (folder / "config.json").write_text("{'model_type': 'llama'")
+    elif case == "safetensors":
+        (folder / "model.safetensors").write_bytes(weights.read_bytes()[:-100])
+    elif case == "bin":
+        (folder / "pytorch_model.bin").write_text("not a pickle")
+    elif case == "legacy_bin":
+        torch.save(load_file(str(weights)), folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    else:
+        shutil.copy(weights, folder / "model-1.safetensors")
+        index = {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    if match is None:
+        net = load_model(str(folder), pack=False)
+        assert torch.equal(net.model.embed_tokens.weight, load_file(str(weights))["model.embed_tokens.weight"])
+        return
+    with pytest.raises(ValueError, match=match):
+        load_model(str(folder), pack=False)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_moe_dir", "tiny_deepseek_dir", "tiny_gemma3_dir"])
 def test_dummy_weights_need_only_the_config(request, tmp_path, fixture):
     """load_format="dummy" (vLLM's): a folder with a config and a tokenizer and no weights makes a model of the

@@ -229,13 +229,34 @@ def _download(repo_id: str, weights: bool = True) -> Path:
 def _folder_source(folder: Path, weights: bool = True) -> ModelSource:
     if not (folder / "config.json").is_file():
         raise ValueError(f"model folder {str(folder)!r} has no config.json; pass an HF model folder")
+    if not isinstance(_json_file(folder / "config.json"), dict):
+        raise ValueError(f"{str(folder / 'config.json')!r} holds no JSON object; fix it, or download the model again")
     return ModelSource(folder, *_weight_files(folder)) if weights else ModelSource(folder, (), "none")
 
 
+def _json_file(path: Path) -> Any:
+    """A checkpoint's JSON file read; a ValueError naming it where it is not valid JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(path)!r} is unreadable: not valid JSON ({err}); the file is corrupt or written in "
+                         "part: fix it, or download the model again") from None
+
+
 def _weight_files(folder: Path) -> tuple[tuple[Path, ...], str]:
-    for index, fmt in (("model.safetensors.index.json", "safetensors"), ("pytorch_model.bin.index.json", "bin")):
+    # one file before an index, as transformers reads them (an index left beside it from an older download is stale)
+    for single, index, fmt in (("model.safetensors", "model.safetensors.index.json", "safetensors"),
+                               ("pytorch_model.bin", "pytorch_model.bin.index.json", "bin")):
+        if (folder / single).is_file():
+            return (folder / single,), fmt
         if (folder / index).is_file():
-            names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            weight_map = _json_file(folder / index).get("weight_map") or {}
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (folder / n).is_file()]
+            if missing or not names:
+                raise ValueError(f"{str(folder / index)!r} lists weight files the folder lacks: {missing[:3]} "
+                                 f"({len(missing)} of {len(names)}) or none at all; download the model's missing "
+                                 "files again")
             return tuple(folder / n for n in names), fmt
     for pattern, fmt in (("model*.safetensors", "safetensors"), ("*.safetensors", "safetensors"),
                          ("pytorch_model*.bin", "bin")):
@@ -378,32 +399,54 @@ def _remote_code_errors(model: str | os.PathLike):
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs; safetensors entries come as lazy slices so a TP rank reads only its shard."""
-    from safetensors import safe_open
-
     for file in source.weight_files:
         if source.weight_format == "safetensors":
-            with safe_open(str(file), framework="pt", device="cpu") as fh:
+            with _opened_safetensors(file) as fh:
                 for name in fh.keys():
                     yield name, fh.get_slice(name)
         else:
-            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-            yield from state.items()
+            yield from _torch_file(file).items()
+
+
+def _opened_safetensors(file: Path):
+    """safetensors' ``safe_open`` of a weight file; a ValueError naming it where its header is unreadable."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as err:
+        raise ValueError(f"{str(file)!r} is unreadable: not a complete safetensors file ({err}); the file is corrupt "
+                         "or written in part: download or save it again") from None
+
+
+def _torch_file(file: Path) -> dict[str, Any]:
+    """A ``pytorch_model*.bin``'s contents (memory-mapped where it is a zip archive, torch's format since 1.6; read
+    whole where it is the legacy one); a ValueError naming it where ``torch.load`` cannot read it."""
+    import pickle
+    import zipfile
+
+    try:
+        return torch.load(file, map_location="cpu", mmap=zipfile.is_zipfile(file), weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
+        # (torch's weights-only refusal: the unpickler's own words between its advice)
+        detail = " ".join(str(err).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0].split())
+        raise ValueError(f"{str(file)!r} is unreadable: torch.load(weights_only=True) cannot read it "
+                         f"({type(err).__name__}: {detail[:300]}); the file is corrupt, written in part, or holds "
+                         "more than tensors: download or save it again") from None
 
 
 def head_tensors(path: str | os.PathLike, what: str, torch_files: tuple[str, ...]) -> tuple[Path, dict[str, Any]]:
     """A small head's checkpoint (Medusa's, a recurrent drafter's): its folder (local, or a hub id fetched) and every
     tensor in it by name: its ``*.safetensors`` as lazy slices, else the torch files matching ``torch_files``."""
-    from safetensors import safe_open
-
     folder = Path(path).expanduser()
     if not folder.is_dir():  # a hub id
         folder = Path(resolve_model(path).path)
     tensors: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt", device="cpu") as fh:
+        with _opened_safetensors(file) as fh:
             tensors.update((name, fh.get_slice(name)) for name in fh.keys())
     for file in [] if tensors else sorted(f for pattern in torch_files for f in folder.glob(pattern)):
-        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+        tensors.update(_torch_file(file))
     if not tensors:
         raise ValueError(f"the {what} checkpoint folder {str(folder)!r} has no *.safetensors or "
                          f"{' / '.join(torch_files)} weights")
