@@ -367,6 +367,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None
 
     _DTYPES = ("auto", "float32", "float16", "bfloat16")
+    _DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's (torch's names: torch.float, torch.half)
 
     @classmethod
     def from_dict(cls, kwargs: dict[str, Any]) -> "EngineArgs":
@@ -427,8 +428,11 @@ class EngineArgs:
                                  "(or leave it None)")
         if not self.model:
             raise ValueError("model is required: a local HF folder, a .gguf file, or a hub id")
+        if isinstance(self.dtype, str):
+            self.dtype = self._DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in self._DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {list(self._DTYPES)}")
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of "
+                             f"{list(self._DTYPES) + list(self._DTYPE_ALIASES)} (half: float16, float: float32)")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
             raise ValueError(f"device={self.device!r} is not supported; use 'cuda' (or 'cuda:N'), 'cpu', or None "
                              "(cuda when this process sees a GPU, else cpu)")

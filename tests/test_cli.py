@@ -94,7 +94,7 @@ def test_serve_flags_map_to_build_app_args(tiny_llama_dir):
     args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--spec-method", "ngram",
                                       "--num-spec-tokens", "3", "--max-model-len", "128", "--port", "9001",
                                       "--max-queue-len", "7", "--placement-strategy", "STRICT_SPREAD",
-                                      "--device", "cpu", "-q", "awq_marlin",
+                                      "--device", "cpu", "-q", "awq_marlin", "--dtype", "half",
                                       "--media-io-kwargs", '{"video": {"num_frames": 8}}'])
     assert (args.host, args.port, args.address) == ("127.0.0.1", 9001, None)
     parsed = ServeArgs.from_dict(serve_app_args(args))
@@ -103,6 +103,7 @@ def test_serve_flags_map_to_build_app_args(tiny_llama_dir):
     assert engine_args.speculative_config.num_speculative_tokens == 3 and engine_args.max_model_len == 128
     assert engine_args.ray_placement.strategy == "STRICT_SPREAD" and engine_args.device == "cpu"
     assert engine_args.quantization == "awq_marlin" and engine_args.media_io_kwargs == {"video": {"num_frames": 8}}
+    assert engine_args.dtype == "float16"  # vLLM's alias
     assert engine_args.enable_prefix_caching  # on for serving unless turned off
     # "none", what the help calls the default, is plain decoding
     plain = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--spec-method", "None",

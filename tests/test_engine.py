@@ -990,6 +990,17 @@ def test_priority_scheduling_admits_by_priority_and_keeps_outputs(tiny_llama_dir
         EngineArgs(model="m", scheduling_policy="lottery")
 
 
+def test_dtype_takes_vllm_s_aliases():
+    """vLLM's dtype names: ``half`` (float16) and ``float`` (float32) beside the full ones; another is refused,
+    listing them all."""
+    assert EngineArgs(model="m", dtype="half").dtype == "float16"
+    assert EngineArgs(model="m", dtype="float").dtype == "float32"
+    assert [EngineArgs(model="m", dtype=d).dtype for d in ("auto", "bfloat16")] == ["auto", "bfloat16"]
+    with pytest.raises(ValueError, match=r"dtype='float64' is not supported; choose one of \['auto', 'float32', "
+                                         r"'float16', 'bfloat16', 'float', 'half'\]"):
+        EngineArgs(model="m", dtype="float64")
+
+
 def test_gpu_memory_utilization_sizes_the_kv_cache():
     """vLLM's gpu_memory_utilization: the KV cache gets GPU_KV_CACHE_FRACTION of the share of the GPU's total memory
     the engine may use less what is in use already (None: of what is free); a share used up by the weights is a
