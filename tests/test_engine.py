@@ -536,6 +536,8 @@ def test_truncated_prompts_and_chat_template_kwargs(plain, plain_outputs):
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model"}), "model is required"),
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model", "model": "/no/such"}),
      r"^speculative_config.model='/no/such' does not exist"),
+    (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model", "model": "no/such"}),
+     r"^speculative_config.model='no/such' is not a local path, and the hub could not provide it"),  # offline
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model", "model": 5}),
      r"^speculative_config.model=5 must be a path or hub id \(a string\)"),
     (lambda llm: LLM(llm.engine_args.model, speculative_config={"method": "draft_model", "model": str(TESTS)}),

@@ -260,6 +260,9 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     check_engine_args(args)
     check_local_paths(args)
     resolve_model(args.model, weights=args.load_format != "dummy")  # its weights are there, before any rank starts
+    spec = args.speculative_config
+    if spec is not None and spec.method == "draft_model":  # a hub id fetched here, its failure named by the option
+        resolve_model(registry.options_of(spec).model, weights=False, field="speculative_config.model")
     model_config = read_config(args.model, args.trust_remote_code, args.hf_overrides)
     hf_config = load_hf_config(args.model, model_config)
     check_model_args(args, hf_config)
@@ -268,7 +271,6 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
     set_max_model_len(model_config, max_model_len)  # what every rank builds from
-    spec = args.speculative_config
     check_draft_count(spec, max_model_len)
     generation = generation_config(args)
     default_sampling_fields(args, generation)  # refused defaults fail here, before any worker starts

@@ -170,19 +170,19 @@ class ModelSource:
 # ---------------------------------------------------------------------------------------------- resolving
 
 
-def resolve_model(model: str | os.PathLike, weights: bool = True) -> ModelSource:
+def resolve_model(model: str | os.PathLike, weights: bool = True, field: str = "model") -> ModelSource:
     """Resolve ``model`` to a local HF folder (converting and caching a ``.gguf`` first, downloading a hub id
     when the hub is reachable). ``weights=False``: only its config and tokenizer are needed (its weight files are
-    neither looked for nor downloaded: ``weight_files`` is empty)."""
+    neither looked for nor downloaded: ``weight_files`` is empty). ``field``: the option errors name."""
     path = Path(model).expanduser()
     if path.is_dir():
         return _folder_source(path, weights)
     if path.is_file():
-        check_model_path(model, "model")  # a .gguf
+        check_model_path(model, field)  # a .gguf
         folder = convert_gguf(path)
         return ModelSource(folder, *_weight_files(folder), gguf_file=path.resolve())
-    check_path(model, "model")
-    return _folder_source(_download(str(model), weights), weights)
+    check_path(model, field)
+    return _folder_source(_download(str(model), weights, field), weights)
 
 
 def check_path(model: str | os.PathLike, field: str) -> None:
@@ -209,7 +209,7 @@ def _looks_local(model: str) -> bool:
         or model.count("/") > 1
 
 
-def _download(repo_id: str, weights: bool = True) -> Path:
+def _download(repo_id: str, weights: bool = True, field: str = "model") -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -220,7 +220,7 @@ def _download(repo_id: str, weights: bool = True) -> Path:
             folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS + ["pytorch_model*.bin"]))
     except (OSError, ValueError, HfHubHTTPError) as err:
         raise ValueError(
-            f"model={repo_id!r} is not a local path, and the hub could not provide it "
+            f"{field}={repo_id!r} is not a local path, and the hub could not provide it "
             f"({type(err).__name__}: {err}); pass an existing local folder or .gguf file, or go online"
         ) from err
     return folder
