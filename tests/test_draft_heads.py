@@ -324,11 +324,11 @@ def test_eagle3_d2t_must_map_into_the_target_vocabulary(target, tmp_path, bad):
 
 @pytest.mark.parametrize("method,missing,named", [
     ("eagle", "layers.0.mlp.down_proj.weight", "layers.0.mlp.down_proj.weight"),
-    ("eagle", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.qkv_proj.weight:k"),
+    ("eagle", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.k_proj.weight"),
     ("eagle3", "midlayer.hidden_norm.weight", "layers.0.hidden_norm.weight"),
     ("eagle3", "norm.weight", "norm.weight"),
     ("mtp", f"model.layers.{NUM_LAYERS}.hnorm.weight", "hnorm.weight"),
-    ("mtp", f"model.layers.{NUM_LAYERS}.mlp.up_proj.weight", "layers.0.mlp.gate_up_proj.weight:1"),
+    ("mtp", f"model.layers.{NUM_LAYERS}.mlp.up_proj.weight", "layers.0.mlp.up_proj.weight"),
 ])
 def test_missing_weights_are_named(target, tmp_path, method, missing, named):
     folder = helpers.write_random_head(tmp_path / method, method, target.dir)

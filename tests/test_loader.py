@@ -136,6 +136,45 @@ def test_a_folder_without_tokenizer_files_names_the_tokenizer_option(tiny_llama_
 # ------------------------------------------------------------------------------------------ errors
 
 
+def test_checkpoint_tensors_with_no_place_are_named_in_one_warning(tiny_llama_dir, tmp_path, caplog):
+    """Checkpoint tensors the model has no place for -- the layers past config.json's num_hidden_layers, a tensor of
+    no parameter -- are one WARNING naming how many and the first, as transformers warns; an MTP layer after the
+    last (DeepSeek's layout: an eh_proj among its tensors) is the mtp drafter's, and unnamed."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    one_layer = copy_config(tiny_llama_dir, tmp_path / "one_layer", num_hidden_layers=1)
+    shutil.copy(tiny_llama_dir / "model.safetensors", one_layer)
+    extra = copy_config(tiny_llama_dir, tmp_path / "extra")
+    mtp = {f"model.layers.2.{name}": torch.zeros(2) for name in ("eh_proj.weight", "mlp.down_proj.weight")}
+    save_file({**tensors, **mtp, "model.layers.0.foo.weight": torch.zeros(2)}, str(extra / "model.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="specray.models.llama"):
+        load_model(str(one_layer), pack=False)
+        load_model(str(extra), pack=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring checkpoint tensors LlamaForCausalLM has no place for: 9, e.g. ['model.layers.1.input_layernorm."
+        "weight', 'model.layers.1.mlp.down_proj.weight', 'model.layers.1.mlp.gate_proj.weight', 'model.layers.1."
+        "mlp.up_proj.weight', 'model.layers.1.post_attention_layernorm.weight']; the checkpoint has layers past "
+        "config.json's num_hidden_layers=1: does the config match the checkpoint?",
+        "ignoring checkpoint tensors LlamaForCausalLM has no place for: 1, e.g. ['model.layers.0.foo.weight']"]
+
+
+def test_missing_weights_are_named_as_the_checkpoint_names_them(tiny_llama_dir, tmp_path):
+    """A checkpoint without a tensor the model merges with others (gate_proj and up_proj into one parameter) names
+    that tensor, not the merged parameter's part."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight"], tensors["model.layers.1.self_attn.k_proj.weight"]
+    folder = copy_config(tiny_llama_dir, tmp_path / "missing")
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"checkpoint is missing 2 weights, e\.g\. \['model.layers.0.mlp.up_proj."
+                                         r"weight', 'model.layers.1.self_attn.k_proj.weight'\]; is it a complete"):
+        load_model(str(folder), pack=False)
+
+
 def test_unknown_architecture(tiny_llama_dir, tmp_path):
     folder = copy_config(tiny_llama_dir, tmp_path / "marian", architectures=["MarianForCausalLM"], model_type="marian")
     shutil.copy(tiny_llama_dir / "model.safetensors", folder)

@@ -44,7 +44,8 @@ from specray.models.attention import AttentionMetadata
 from specray.models.kv_cache import KVCache, KVCacheSpec
 from specray.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, materialize,
                                    rope_parameters, rotary_dim, splits_heads)
-from specray.models.llama import _STACKED, LlamaAttention, LlamaMLP, _map_name, expected_keys, load_param
+from specray.models.llama import (_STACKED, LlamaAttention, LlamaMLP, _map_name, checkpoint_names, expected_keys,
+                                  load_param)
 from specray.models.moe import EXPERT_PARAMS, SparseMoE, is_expert_tensor
 from specray.parallel import TPGroup
 
@@ -307,7 +308,7 @@ class DraftHead(ReadsTarget):
             expected.update(prefix + key for key in block.expected_keys())
         if self.lm_head is not None:
             expected.add("d2t")
-        missing = sorted(expected - loaded)
+        missing = checkpoint_names(expected - loaded, self.stacked)
         if missing:
             raise ValueError(f"the {self.layout.name} head checkpoint is missing {len(missing)} weights, e.g. "
                              f"{missing[:5]}")

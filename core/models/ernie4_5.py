@@ -26,6 +26,7 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
     """ERNIE 4.5, dense or with experts, for causal LM (module docstring)."""
 
     aux_past_end = True  # its MTP module reads the residual past the last layer
+    skipped = ("model.mtp_",)  # the release's MTP module (model.mtp_block.0., ...): the mtp drafter's
 
     @staticmethod
     def mtp_feature_layers(config) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ class ExaoneMoeForCausalLM(LlamaForCausalLM):
     """K-EXAONE for causal LM (module docstring)."""
 
     mtp_names = MTP_NAMES
+    skipped = ("mtp.",)  # the release's MTP module: the mtp drafter's
 
     @staticmethod
     def mtp_layer_parts(config, tp: TPGroup, expert_parallel: bool = False) -> tuple[nn.Module, nn.Module]:

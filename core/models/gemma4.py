@@ -38,7 +38,6 @@ or a real checkpoint.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -53,11 +52,10 @@ from specray.models.layers import (ColumnParallelLinear, OtherStage, QKVParallel
                                    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, _param, apply_rotary,
                                    divide, materialize, on_stage, rope_parameters)
 from specray.models.gemma3 import Gemma3ForCausalLM, Gemma3MLP
-from specray.models.llama import KV_SCALE_NAMES, StageModel, _layer_index, _map_name, expected_keys, load_param
+from specray.models.llama import (KV_SCALE_NAMES, StageModel, _layer_index, _map_name, checkpoint_names,
+                                  expected_keys, load_param)
 from specray.models.moe import SparseMoE
 from specray.parallel import PPGroup, TPGroup, stage_layers
-
-logger = logging.getLogger(__name__)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATION = "gelu_pytorch_tanh"
@@ -490,6 +488,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         layers = self.model.layers
         loaded: set[str] = set()
         kv_scales: dict[int, dict[str, float]] = {}  # layer -> the checkpoint's K/V scales (an FP8 KV cache's)
+        unused: list[str] = []  # checkpoint tensors with no place in the model
         for name, tensor in weights:
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
@@ -513,6 +512,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             found = _SHARED_KV.match(name)
             if found and self.model.sources[int(found.group(1))] is not None:
                 continue
+            theirs = name
             for pattern, ours in _RENAMES:
                 name = pattern.sub(ours, name)
             target, shard = _map_name(name, self.stacked)
@@ -520,9 +520,10 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                 target, shard = name, None
             param = params.get(target)
             if param is None:
-                logger.warning("ignoring checkpoint tensor %s: no such parameter in %s", name, type(self).__name__)
+                unused.append(theirs)
                 continue
             loaded.add(load_param(param, target, tensor, shard))
+        self._warn_unused(unused, {})
         self._check_gemma4_loaded(loaded, params)
         for i, layer in self.model.stage_layers():  # a shared layer reads its source's cache, so its scales
             scales = kv_scales.get(i if self.model.sources[i] is None else self.model.sources[i])
@@ -538,7 +539,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                 expected.update(f"model.layers.{i}.moe.{key}" for key in layer.moe.expected_keys())
             if layer.self_attn.source is None and layer.self_attn.k_eq_v:  # no v projection
                 expected -= {f"model.layers.{i}.self_attn.qkv_proj.{p}:v" for p in ("weight", "bias")}
-        missing = sorted(expected - loaded)
+        missing = checkpoint_names(expected - loaded, self.stacked)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}; is it a complete "
                              f"{self.config.model_type} checkpoint matching its config.json?")

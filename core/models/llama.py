@@ -656,14 +656,17 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         kv_scales: dict[int, dict[str, float]] = {}  # layer -> the checkpoint's K/V scales (an FP8 KV cache's)
+        unused: list[str] = []  # checkpoint tensors with no place in the model
+        past_end: dict[int, list[str]] = {}  # layer past the config's last -> its checkpoint tensors
         for name, tensor in self._unfused(weights):
             if name.startswith(self.skipped):
                 continue
-            name = self._our_name(name)
+            theirs, name = name, self._our_name(name)
             if "rotary_emb.inv_freq" in name:
                 continue
-            if _layer_index(name) >= len(self.model.layers):
-                continue  # a multi-token-prediction layer (DeepSeek's layout): the MTP drafter's, not ours
+            if _layer_index(name) >= len(self.model.layers):  # an MTP layer (DeepSeek's layout: the MTP drafter's,
+                past_end.setdefault(_layer_index(name), []).append(theirs)  # not ours), or one the config lacks
+                continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             if (name == "model.embed_tokens.weight" and self.tie_word_embeddings and self.pp.is_last
@@ -682,9 +685,10 @@ class LlamaForCausalLM(nn.Module):
             target, shard = _map_name(name, self.stacked)
             param = params.get(target)
             if param is None:
-                logger.warning("ignoring checkpoint tensor %s: no such parameter in %s", name, type(self).__name__)
+                unused.append(theirs)
                 continue
             loaded.add(load_param(param, target, tensor, shard))
+        self._warn_unused(unused, past_end)  # (first: what it names may explain what is missing)
         self._check_loaded(loaded, params)
         for layer, scales in kv_scales.items():
             both = scales.get("kv_scale", 1.0)
@@ -716,13 +720,26 @@ class LlamaForCausalLM(nn.Module):
             return True
         return not ours.startswith(self.other_stage)
 
+    def _warn_unused(self, unused: list[str], past_end: dict[int, list[str]]) -> None:
+        """One warning naming the checkpoint tensors the model has no place for (as transformers warns): those of
+        no parameter, and the layers past the config's last but for MTP layers (DeepSeek's layout: an ``eh_proj``
+        among their tensors), which the MTP drafter reads."""
+        extra = [name for names in past_end.values() if not any(".eh_proj." in n for n in names) for name in names]
+        if not unused and not extra:
+            return
+        layers = (f"; the checkpoint has layers past config.json's num_hidden_layers={len(self.model.layers)}: "
+                  "does the config match the checkpoint?") if extra else ""
+        names = unused + extra
+        logger.warning("ignoring checkpoint tensors %s has no place for: %d, e.g. %s%s", type(self).__name__,
+                       len(names), names[:5], layers)
+
     def _check_loaded(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         expected = expected_keys(n for n in params if not (n == "lm_head.weight" and self.shares_embedding)
                                  and not n.endswith(EXPERT_PARAMS))  # experts: by expert, below
         for i, layer in self.model.stage_layers():
             if isinstance(layer.mlp, SparseMoE):
                 expected.update(f"model.layers.{i}.mlp.{key}" for key in layer.mlp.expected_keys())
-        missing = sorted(expected - loaded)
+        missing = checkpoint_names(expected - loaded, self.stacked)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}; is it a complete "
                              f"{self.config.model_type} checkpoint matching its config.json?")
@@ -752,6 +769,18 @@ def expected_keys(names) -> set[str]:
         else:
             expected.add(name)
     return expected
+
+
+def checkpoint_names(keys: Iterable[str], stacked: dict[str, tuple[str, Any]] = _STACKED) -> list[str]:
+    """Keys of :func:`expected_keys` (missing ones, for a message) as the checkpoint names its tensors, sorted: a
+    merged parameter's part by its own name (``gate_proj``, not ``gate_up_proj`` part 0)."""
+    names = set()
+    for key in keys:
+        name, _, part = key.partition(":")
+        piece = next((piece for piece, (merged, shard) in stacked.items() if merged in name and str(shard) == part),
+                     None) if part else None
+        names.add(name.replace(stacked[piece][0], piece) if piece else key)
+    return sorted(names)
 
 
 def _layer_index(name: str) -> int:
