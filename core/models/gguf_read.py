@@ -68,17 +68,26 @@ def parsed_gguf(gguf: Path, reader_class: type | None = None) -> Any:
 
     cut: list[str] = []  # the message for a tensor past the file's end
 
+    def past_end(start_offs: int, fields: list, size: int) -> str | None:
+        """The first tensor whose data ends past ``size`` bytes, and where it ends (gguf-py's tensor fields)."""
+        for field in fields:
+            name, dims, ggml_type, offset = (field.parts[i] for i in (1, 3, 4, 5))
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type[0]))]
+            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                return f"its tensor {bytes(name).decode(errors='replace')!r} ends at byte {end}"
+        return None
+
     class Checked(reader_class or GGUFReader):
         def _build_tensors(self, start_offs: int, fields: list) -> None:
-            for field in fields:
-                name, dims, ggml_type, offset = (field.parts[i] for i in (1, 3, 4, 5))
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type[0]))]
-                end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
-                if end > len(self.data):
-                    cut.append(f"GGUF {str(gguf)!r} is truncated or corrupt: its tensor "
-                               f"{bytes(name).decode(errors='replace')!r} ends at byte {end}, past the file's "
-                               f"{len(self.data)} bytes; download or convert the file again")
-                    raise ValueError(cut[0])
+            try:
+                where = past_end(start_offs, fields, len(self.data))
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # another gguf-py's fields: its
+                where = None  # own errors stand, named below
+            if where is not None:
+                cut.append(f"GGUF {str(gguf)!r} is truncated or corrupt: {where}, past the file's {len(self.data)} "
+                           "bytes; download or convert the file again")
+                raise ValueError(cut[0])
             super()._build_tensors(start_offs, fields)
 
     try:
