@@ -16,9 +16,9 @@ from specray.config import EngineArgs, check_keys
 from specray.engine import plugins
 from specray.engine.builder import build_engine, check_engine_args, check_model_args, default_sampling_fields
 from specray.lora import LoRARequest
-from specray.models.loader import engine_image_processor
+from specray.models.loader import engine_image_processor, read_config
 from specray.multimodal import (AUDIO, IMAGE, TEXT_ONLY, VIDEO, MultiModalInputs, check_image_prompt,
-                                check_placeholders, expand_prompt, media_of)
+                                check_placeholders, expand_prompt, media_of, placeholder_ids)
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams, choice_seed
 from specray.scheduler.request import check_prompt
@@ -56,8 +56,8 @@ class LLM:
             self.engine = build_engine(self.engine_args)
             self.engine.closed_batches = True  # generate() returns when its whole batch is done
             self._tokenizer = self.engine.tokenizer
-        self._image_processor = None  # a vision-language model's (specray.multimodal), built on the first prompt
-        self._processor_read = False  # whether _image_processor is built (None: the model takes no images)
+        self._image_processor = None  # a vision-language model's (specray.multimodal), built on the first image
+        self._placeholder_ids: set[int] | None = None  # the media placeholders' token ids the config names
         # runs once: on shutdown(), on garbage collection, or at exit; holds the engine, never self
         self._release = weakref.finalize(self, _release_engine, self.engine)
 
@@ -184,18 +184,31 @@ class LLM:
         text, ids = self._tokens(prompt)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         media = {} if data is None else media_of(data)
-        if not self._processor_read:
-            self._image_processor = engine_image_processor(self.engine_args)
-            self._processor_read = True
         if not any(media.values()):
-            if self._image_processor is not None:  # no placeholder without its image
-                check_placeholders(ids, self._image_processor)
+            if not self._placeholders().isdisjoint(ids) and self._processor() is not None:
+                check_placeholders(ids, self._image_processor)  # no placeholder without its image
             return text, params.prompt_tokens(ids), None
-        if self._image_processor is None:
+        if self._processor() is None:
             raise ValueError(TEXT_ONLY)
         ids, mm = expand_prompt(ids, media[IMAGE], self._image_processor, media[VIDEO], media[AUDIO])
         check_image_prompt(mm, ids, params.truncate_prompt_tokens)
         return text, ids, mm
+
+    def _processor(self):
+        """The model's image processor (None: it takes no images, videos or audio), built on first use."""
+        if self._image_processor is None:
+            self._image_processor = engine_image_processor(self.engine_args)
+            if self._image_processor is not None:  # its placeholders, whether the config names them or not
+                self._placeholders().update(placeholder_ids(self._image_processor))
+        return self._image_processor
+
+    def _placeholders(self) -> set[int]:
+        """The token ids of the model's media placeholders: those its config names, and its processor's once built
+        (a prompt without media holding none of them needs no processor)."""
+        if self._placeholder_ids is None:
+            args = self.engine_args
+            self._placeholder_ids = placeholder_ids(read_config(args.model, args.trust_remote_code, args.hf_overrides))
+        return self._placeholder_ids
 
     def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

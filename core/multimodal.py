@@ -535,6 +535,15 @@ def expand_prompt(token_ids: list[int], images: list, processor: ImageProcessor,
     return out, mm
 
 
+def placeholder_ids(config) -> set[int]:
+    """The token ids a release's config (or a processor) names as its media placeholders or their openings
+    (``image_token_id``, ``image_token_index``, the video's and audio's alike; Gemma 3's ``boi_token_index``, the
+    placeholder its chat template writes)."""
+    ids = (getattr(config, f"{kind}_token_{suffix}", None) for kind in (*MODALITIES, "boi", "boa")
+           for suffix in ("id", "index"))
+    return {i for i in ids if isinstance(i, int) and not isinstance(i, bool)}
+
+
 def check_placeholders(token_ids: Sequence[int], processor: ImageProcessor, counts: dict[str, int] | None = None
                        ) -> list[tuple[int, str]]:
     """The prompt's placeholders (index, kind), in order; a ValueError unless each kind's number of them is the

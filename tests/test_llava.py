@@ -474,6 +474,9 @@ def test_engine_greedy_with_images_equals_transformers(tiny_llava, hf_models, ki
     folder = tiny_llava[kind]
     llm = LLM(model=str(folder), max_model_len=256, block_size=4, max_num_batched_tokens=20,
               speculative_config=NGRAM)
+    # a placeholder without its image, before any image built the processor (the config names the placeholder)
+    with pytest.raises(ValueError, match="holds 1 image placeholder token.*but 0 image"):
+        llm.generate({"prompt": "Look at <image> here"}, use_tqdm=False)
     runs = sys.modules["specray_test_engine_runs"]  # tests/engine_runs.py
     runs.assert_images_greedy_equals_transformers(llm, hf_models[kind], AutoProcessor.from_pretrained(folder), PROMPT,
                                                   _images())
