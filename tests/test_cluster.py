@@ -434,9 +434,10 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 
 # DeepSeek-V3's and GLM-4.5's MTP blocks are one module: its experts split by width on GLM's, whole on DeepSeek's.
 # (EAGLE-3's chains split over two ranks: test_heads_on_the_last_pipeline_stage_keep_greedy_output's eagle3-tp2.)
-HEAD_CASES = ["eagle3-tree", "eagle3-static", "eagle3-whole", "mtp3", "mtp3-tree", "deepseek-mtp-ep", "glm-mtp",
+# (Chains of distinct MTP modules split over two ranks: MiMo's; DFlash's chains over pipeline stages above.)
+HEAD_CASES = ["eagle3-tree", "eagle3-static", "eagle3-whole", "mtp3-tree", "deepseek-mtp-ep", "glm-mtp",
               "qwen3_5-mtp-tree", "qwen3_5-mtp-tree-graphs", "mimo-mtp", "medusa", "redrafter", "mlp_speculator",
-              "dflash", "dflash-tree"]
+              "dflash-tree"]
 # a sampled request's tree (or MLP speculator's chain) drawn from q (checked sampled too)
 DRAWN_TREES = ("eagle3-tree", "eagle3-static", "mtp3-tree", "qwen3_5-mtp-tree", "medusa", "redrafter", "mlp_speculator",
                "dflash-tree")
@@ -446,7 +447,7 @@ DRAWN_TREES = ("eagle3-tree", "eagle3-static", "mtp3-tree", "qwen3_5-mtp-tree", 
 def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
     """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (EAGLE-2 trees, a
     static tree; its chains over the last pipeline stage's two ranks above), three distinct MTP modules
-    (num_nextn_predict_layers=3; chains, and EAGLE-2 trees a level per module), DeepSeek-V3's own MTP module (its
+    (num_nextn_predict_layers=3; EAGLE-2 trees a level per module), DeepSeek-V3's own MTP module (its
     block's latent attention, experts whole per rank with the target's enable_expert_parallel), GLM-4.5's (its block's
     grouped-query attention split by head, partial RoPE, experts split by width), Qwen3.5's drafting EAGLE-2 trees over
     a hybrid target whose linear layers' recurrent state splits by head too (its gated attention split by head),
