@@ -550,7 +550,10 @@ def check_placeholders(token_ids: Sequence[int], processor: ImageProcessor, coun
     number of its items the request gave (``counts``, kind -> number; None: a prompt sent without any)."""
     token_of = {kind: getattr(processor, f"{kind}_token_id", None) for kind in MODALITIES}
     takes = [kind for kind in MODALITIES if token_of[kind] is not None]
-    slots = [(i, kind) for i, t in enumerate(token_ids) for kind in takes if t == token_of[kind]]
+    kind_of = {token_of[kind]: kind for kind in takes}
+    # (a prompt without any, the usual text prompt, is looked through once in C)
+    slots = [] if kind_of.keys().isdisjoint(token_ids) else [
+        (i, kind_of[t]) for i, t in enumerate(token_ids) if t in kind_of]
     for kind in takes:
         held, given = sum(k == kind for _, k in slots), (counts or {}).get(kind, 0)
         if held != given:
