@@ -101,8 +101,9 @@ class SpeculativeConfig:
 
     def __init__(self, method: str = "ngram", num_speculative_tokens: int | None = None, adaptive: bool = True,
                  options: dict[str, Any] | None = None, acceptance: str = "rejection",
-                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, relaxed_topk: int = 1,
-                 relaxed_delta: float = 0.0, begin_thinking_phase_token: int | None = None,
+                 posterior_threshold: float | None = None, posterior_alpha: float | None = None,
+                 relaxed_topk: int | None = None, relaxed_delta: float | None = None,
+                 begin_thinking_phase_token: int | None = None,
                  end_thinking_phase_token: int | None = None, disable_by_batch_size: int | None = None,
                  **method_options: Any):
         if "use_relaxed_acceptance_for_thinking" in method_options:  # TensorRT-LLM's switch for the same thing
@@ -116,20 +117,36 @@ class SpeculativeConfig:
         if len(set(given)) > 1:
             raise ValueError(f"speculative_config gives the draft count twice, num_speculative_tokens="
                              f"{num_speculative_tokens!r} and {aliases}; give num_speculative_tokens only")
+        # an acceptance mode's settings (None: not given) need that mode
+        modes = {"typical": {"posterior_threshold": posterior_threshold, "posterior_alpha": posterior_alpha},
+                 "relaxed": {"relaxed_topk": relaxed_topk, "relaxed_delta": relaxed_delta,
+                             "begin_thinking_phase_token": begin_thinking_phase_token,
+                             "end_thinking_phase_token": end_thinking_phase_token}}
+        twice = sorted(set(options or {}) & set(method_options))
+        if twice:
+            raise ValueError(f"speculative_config gives {twice} both in options and as keys: give each once")
         self.method = method
         self.num_speculative_tokens = given[0] if given else 5
         # not given: the registry may settle it from the method's options (lookahead's whole tree, MTP's modules)
         self.count_given = bool(given)
         self.adaptive = adaptive
         self.acceptance = acceptance
-        self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
-        self.relaxed_topk, self.relaxed_delta = relaxed_topk, relaxed_delta
+        cls = type(self)  # (its class attributes: the defaults)
+        self.posterior_threshold = cls.posterior_threshold if posterior_threshold is None else posterior_threshold
+        self.posterior_alpha = cls.posterior_alpha if posterior_alpha is None else posterior_alpha
+        self.relaxed_topk = cls.relaxed_topk if relaxed_topk is None else relaxed_topk
+        self.relaxed_delta = cls.relaxed_delta if relaxed_delta is None else relaxed_delta
         self.begin_thinking_phase_token, self.end_thinking_phase_token = (begin_thinking_phase_token,
                                                                           end_thinking_phase_token)
         self.disable_by_batch_size = disable_by_batch_size
         merged = {**(options or {}), **method_options}
         self.options = {k: v for k, v in merged.items() if v is not None}
         self._validate()
+        for mode, settings in modes.items():  # (valid values: checked above)
+            stray = {k: v for k, v in settings.items() if v is not None}
+            if stray and acceptance != mode:
+                raise ValueError(f"speculative_config gives {stray} with acceptance={acceptance!r}: they set "
+                                 f"acceptance={mode!r}'s rule; give acceptance={mode!r} too, or drop them")
 
     def _validate(self) -> None:
         # the method and its options are checked by the drafter registry (above this module)

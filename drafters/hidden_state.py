@@ -87,8 +87,9 @@ class HeadTreeOptions(HeadOptions):
 
     # EAGLE-2: draft a dynamic token tree of num_speculative_tokens nodes instead of a chain
     use_dynamic_tree: bool = False
-    dynamic_tree_max_topK: int = 4  # children offered per expanded node, and nodes expanded per level
-    dynamic_tree_depth: int = 4  # levels of the tree
+    # (None: 4; either given needs use_dynamic_tree)
+    dynamic_tree_max_topK: int | None = None  # children offered per expanded node, and nodes expanded per level
+    dynamic_tree_depth: int | None = None  # levels of the tree
     # a static tree instead (vLLM's): paths of candidate ranks, e.g. [(0,), (1,), (0, 0)] (a JSON or Python list, or
     # a string of one): node (r1, .., rd) is the rd-th best token after the path (r1, .., rd-1); grown level by level
     # (one head pass over every node so far per level), its nodes verified level by level (num_speculative_tokens:
@@ -101,6 +102,11 @@ class HeadTreeOptions(HeadOptions):
             raise ValueError(f"speculative_config.use_dynamic_tree={self.use_dynamic_tree!r} must be a bool")
         for name in ("dynamic_tree_max_topK", "dynamic_tree_depth"):
             value = getattr(self, name)
+            if value is None:
+                setattr(self, name, value := 4)
+            elif not self.use_dynamic_tree:
+                raise ValueError(f"speculative_config.{name}={value!r} shapes EAGLE-2's dynamic tree: give "
+                                 "use_dynamic_tree=True too (or drop it)")
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name}={value!r} must be an int >= 1")
         if self.speculative_token_tree is not None:

@@ -111,6 +111,10 @@ class NgramOptions:
                 raise ValueError(f"speculative_config.{name}={getattr(self, name)!r} must be an int >= 1")
         if self.speculative_token_tree is not None:
             self.speculative_token_tree = parse_token_tree(self.speculative_token_tree)
+            if self.num_branches > 1:
+                raise ValueError(f"speculative_config gives both num_branches={self.num_branches} and a "
+                                 "speculative_token_tree: pick one (a dynamic tree of num_branches children per node, "
+                                 "or the static tree)")
 
     @property
     def proposes_trees(self) -> bool:

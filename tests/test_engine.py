@@ -570,6 +570,31 @@ def test_bad_input_is_a_clear_error_and_loses_nothing(plain, plain_outputs, make
     assert token_ids(plain.generate(PROMPTS[:2], greedy(), use_tqdm=False)) == plain_outputs[:2]
 
 
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "ngram", "posterior_threshold": 0.5},
+     r"gives \{'posterior_threshold': 0.5\} with acceptance='rejection'.*give acceptance='typical' too"),
+    ({"method": "ngram", "acceptance": "typical", "relaxed_topk": 5}, r"acceptance='relaxed''s rule"),
+    ({"method": "ngram", "begin_thinking_phase_token": 3}, r"acceptance='relaxed''s rule"),
+    ({"method": "ngram", "num_branches": 3, "speculative_token_tree": "[(0,), (0, 0)]"},
+     "both num_branches=3 and a speculative_token_tree"),
+    ({"method": "eagle", "dynamic_tree_depth": 3}, "dynamic_tree_depth=3 shapes EAGLE-2's dynamic tree: give "
+                                                   "use_dynamic_tree=True"),
+    ({"method": "ngram", "options": {"prompt_lookup_min": 1}, "prompt_lookup_min": 2},
+     r"\['prompt_lookup_min'\] both in options and as keys"),
+])
+def test_settings_that_would_have_no_effect_are_refused(spec, match):
+    """An acceptance rule's settings without that rule, a dynamic tree's shape beside a static tree or without the
+    dynamic tree, a key given twice: each would be dropped silently."""
+    from specray.drafters import registry
+
+    with pytest.raises(ValueError, match=match):
+        registry.check(SpeculativeConfig.from_any(spec))
+    typical = SpeculativeConfig(acceptance="typical", posterior_threshold=0.2)
+    assert (typical.posterior_threshold, typical.posterior_alpha, SpeculativeConfig().posterior_threshold) == (
+        0.2, 0.3, 0.09)
+    assert SpeculativeConfig.from_any(typical.to_dict()) == typical
+
+
 def test_bad_request_while_others_run(plain, plain_outputs):
     """A bad request added mid-flight raises; the running ones finish unharmed."""
     engine = plain.engine
