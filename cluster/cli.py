@@ -24,8 +24,8 @@ logger = logging.getLogger("specray.cli")
 _SPEC_METHOD_HELP = ("speculation method (default: none, plain decoding): ngram, draft_model, suffix, ngram_simple, "
                      "ngram_map_k, ngram_map_k4v, ngram_mod, ngram_cache, prediction, lookahead, eagle3, eagle, mtp, "
                      "medusa, redrafter, mlp_speculator, dflash, gemma4_assistant, or a drafter class of your own as "
-                     "'package.module:Class' (docs/user_drafter.md); a method's other options: give the whole config as "
-                     "--speculative-config instead")
+                     "'package.module:Class' (docs/user_drafter.md); a method's other options: give the whole "
+                     "config as --speculative-config instead")
 
 
 def _add_gguf_dtype(p: argparse.ArgumentParser) -> None:
