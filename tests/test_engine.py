@@ -595,6 +595,18 @@ def test_settings_that_would_have_no_effect_are_refused(spec, match):
     assert SpeculativeConfig.from_any(typical.to_dict()) == typical
 
 
+@pytest.mark.parametrize("combine, match", [
+    ("draft_model", "a head can be combined with a lookup drafter only"),
+    ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min=0"),
+])
+def test_a_heads_lookup_drafter_is_checked_before_anything_loads(combine, match):
+    from specray.engine.builder import check_engine_args
+
+    args = EngineArgs(model="/no/such/model", speculative_config={"method": "eagle", "combine_with": combine})
+    with pytest.raises(ValueError, match=match):
+        check_engine_args(args)
+
+
 def test_bad_request_while_others_run(plain, plain_outputs):
     """A bad request added mid-flight raises; the running ones finish unharmed."""
     engine = plain.engine

@@ -106,6 +106,7 @@ def check_engine_args(args: EngineArgs) -> None:
         options = registry.options_of(spec)
         if options.splits_over(args.tensor_parallel_size) and getattr(options, "model", None):
             check_head_split(spec.method, options.model, args.tensor_parallel_size)
+        lookup_beside_head(spec)  # its combine_with, before the head loads
     tp = registry.tensor_parallel_size(spec)
     if tp > 1 and plugins.find("remote_drafter", args.executor_backend) is None:
         raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} needs a backend that runs drafters "
