@@ -336,7 +336,7 @@ def test_ranks_are_grouped_node_by_node():
 
 def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Path, dict]:
     """(the target's folder, the model folder to serve, the speculative_config) of a hidden-state drafter case: EAGLE-3
-    (chains; ``-tree``: EAGLE-2 trees; ``-static``: a static tree; ``-whole``: unsplit), three MTP modules on the tiny
+    (chains; ``-tree``: EAGLE-2 trees; ``-whole``: unsplit), three MTP modules on the tiny
     Llama, DeepSeek-V3's own MTP module (``-ep``: experts whole per rank), GLM-4.5's (also ``-ep``), Qwen3.5's (a hybrid
     linear-attention target), Medusa, ReDrafter; heads written to accept often."""
     if method.startswith("deepseek-mtp"):
@@ -372,8 +372,6 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
         model, spec = tiny_llama_dir, {"method": "eagle3", "model": str(head)}
         if method == "eagle3-tree":
             spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, dynamic_tree_depth=3)
-        if method == "eagle3-static":  # vLLM's static tree, in its Python-literal form
-            spec.update(speculative_token_tree="[(0,), (1,), (0, 0), (0, 2), (0, 0, 0)]")
     elif method == "medusa":
         head = draft_heads.write_medusa_heads(tmp_path / "medusa", tiny_llama_dir, accepting=True)
         model, spec = tiny_llama_dir, {"method": "medusa", "model": str(head)}
@@ -397,10 +395,10 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
 
 # one case per way a head reads the target across stages: EAGLE-3's residual streams of earlier stages' layers (chains
 # over stages of two ranks, trees), an MTP block with its own cache (DeepSeek's, experts whole per rank, over stages of
-# two ranks; Qwen3.5's over a hybrid target, chains and EAGLE-2 trees), the target's embedding on the last stage
+# two ranks; Qwen3.5's over a hybrid target, EAGLE-2 trees), the target's embedding on the last stage
 # (ReDrafter), the last hidden state alone (the MLP speculator), DFlash's stream of the first stage's layer with its own
 # cache
-PP_HEAD_CASES = [("eagle3", 2), ("eagle3-tree", 1), ("deepseek-mtp-ep", 2), ("qwen3_5-mtp", 1),
+PP_HEAD_CASES = [("eagle3", 2), ("eagle3-tree", 1), ("deepseek-mtp-ep", 2),
                  ("qwen3_5-mtp-tree", 1), ("redrafter", 1), ("mlp_speculator", 1), ("dflash", 1)]
 
 
@@ -434,19 +432,20 @@ def test_heads_on_the_last_pipeline_stage_keep_greedy_output(request, tiny_llama
 
 # DeepSeek-V3's and GLM-4.5's MTP blocks are one module: its experts split by width on GLM's, whole on DeepSeek's.
 # (EAGLE-3's chains split over two ranks: test_heads_on_the_last_pipeline_stage_keep_greedy_output's eagle3-tp2.)
-# (Chains of distinct MTP modules split over two ranks: MiMo's; DFlash's chains over pipeline stages above.)
-HEAD_CASES = ["eagle3-tree", "eagle3-static", "eagle3-whole", "mtp3-tree", "deepseek-mtp-ep", "glm-mtp",
+# (Chains of distinct MTP modules split over two ranks: MiMo's; DFlash's chains over pipeline stages above; a static
+# tree split over two ranks, drawn from q too: Medusa's.)
+HEAD_CASES = ["eagle3-tree", "eagle3-whole", "mtp3-tree", "deepseek-mtp-ep", "glm-mtp",
               "qwen3_5-mtp-tree", "qwen3_5-mtp-tree-graphs", "mimo-mtp", "medusa", "redrafter", "mlp_speculator",
               "dflash-tree"]
 # a sampled request's tree (or MLP speculator's chain) drawn from q (checked sampled too)
-DRAWN_TREES = ("eagle3-tree", "eagle3-static", "mtp3-tree", "qwen3_5-mtp-tree", "medusa", "redrafter", "mlp_speculator",
+DRAWN_TREES = ("eagle3-tree", "mtp3-tree", "qwen3_5-mtp-tree", "medusa", "redrafter", "mlp_speculator",
                "dflash-tree")
 
 
 @pytest.mark.parametrize("method", HEAD_CASES)
 def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir, tmp_path, method):
-    """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (EAGLE-2 trees, a
-    static tree; its chains over the last pipeline stage's two ranks above), three distinct MTP modules
+    """Every hidden-state drafter split over two tensor-parallel ranks, as vLLM runs them: EAGLE-3 (EAGLE-2 trees; its
+    chains over the last pipeline stage's two ranks above), three distinct MTP modules
     (num_nextn_predict_layers=3; EAGLE-2 trees a level per module), DeepSeek-V3's own MTP module (its
     block's latent attention, experts whole per rank with the target's enable_expert_parallel), GLM-4.5's (its block's
     grouped-query attention split by head, partial RoPE, experts split by width), Qwen3.5's drafting EAGLE-2 trees over
@@ -458,10 +457,10 @@ def test_head_with_two_target_ranks_keeps_greedy_output(request, tiny_llama_dir,
     head, and drafts in lockstep with the driver from the verdict the driver sends it. The drafts are one rank's: with a
     fixed draft count the same drafts are made and kept as on one rank; greedy output equals one rank's plain output; no
     block leaked; the ranks' processes never import transformers. EAGLE-2 (EAGLE-3's, distinct MTP modules', Qwen3.5's
-    MTP's), static, Medusa and ReDrafter trees and the MLP speculator's chains also for sampled requests, drawn from q
-    and verified against it on rank 0: the same seeds give the same tokens as one rank, and unseeded ones (each rank
-    draws from a stream seeded alike) finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank 0,
-    reading the target's embedding and LM head gathered whole once; rank 1 holds nothing of it. ``-graphs``: every
+    MTP's), Medusa's static and ReDrafter's trees and the MLP speculator's chains also for sampled requests, drawn
+    from q and verified against it on rank 0: the same seeds give the same tokens as one rank, and unseeded ones (each
+    rank draws from a stream seeded alike) finish. ``-whole`` (draft_tensor_parallel_size=1): the head whole on rank
+    0, reading the target's embedding and LM head gathered whole once; rank 1 holds nothing of it. ``-graphs``: every
     rank's steps and head passes from graphs, asked for (enforce_eager=False; on CPU their padded static inputs run
     eagerly, each rank picking the same shapes): Qwen3.5's tree verify steps in the recurrence's tree form, its MTP
     layer's tree levels."""
@@ -868,7 +867,6 @@ def process_runs(pid: int) -> bool:
 
 
 def test_drafter_actor_loss_falls_back_to_plain_decoding(tiny_llama_dir, monkeypatch, caplog):
-    import ray
     from specray.cluster import drafter_actor
 
     monkeypatch.setattr(drafter_actor, "RESPAWN_BACKOFF_S", 0.0)
