@@ -40,6 +40,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from specray.sampling_params import is_int
+
 IMAGE, VIDEO, AUDIO = "image", "video", "audio"
 TEXT_ONLY = ("this model reads text only (of a multimodal release, its text model, or its encoders turned off by "
              "limit_mm_per_prompt): send the prompt without images, videos or audio")
@@ -541,7 +543,7 @@ def placeholder_ids(config) -> set[int]:
     placeholder its chat template writes)."""
     ids = (getattr(config, f"{kind}_token_{suffix}", None) for kind in (*MODALITIES, "boi", "boa")
            for suffix in ("id", "index"))
-    return {i for i in ids if isinstance(i, int) and not isinstance(i, bool)}
+    return {i for i in ids if is_int(i)}
 
 
 def check_placeholders(token_ids: Sequence[int], processor: ImageProcessor, counts: dict[str, int] | None = None

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specray.engine.llm_engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine, check_params_type
 from specray.errors import EngineError, RequestFailedError, RequestRefusedError, WorkerDiedError
 from specray.multimodal import MultiModalInputs
 from specray.outputs import RequestOutput
@@ -61,9 +61,7 @@ class AsyncLLMEngine:
         first output; an engine failure, or a step that failed for this request alone (its output's
         ``finish_reason == "error"``), raises :class:`RequestFailedError` (:class:`RequestRefusedError`, a
         ValueError too, where the request's own constraints cannot be met)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}; "
-                             "build one: SamplingParams(**fields)")
+        check_params_type(params)  # (before its structured_outputs are read)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         if params.structured_outputs is not None:  # a new spec compiles here, not in the step loop's thread
             await stream.loop.run_in_executor(None, self.engine.structured.compile, params.structured_outputs)

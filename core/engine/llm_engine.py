@@ -132,9 +132,7 @@ class LLMEngine:
         used again for another prompt."""
         if self.is_shut_down:
             raise EngineError("the engine is shut down (LLMEngine.shutdown()); build a new one")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}; "
-                             "build one: SamplingParams(**fields)")
+        check_params_type(params)
         if isinstance(prompt_token_ids, (str, bytes)):
             raise ValueError(f"prompt_token_ids is text ({prompt_token_ids[:40]!r}), not token ids: tokenize it "
                              "first (tokenizer.encode), or give the text to LLM.generate")
@@ -1084,6 +1082,13 @@ def _starts_with(drafts: list[int] | DraftTree | None, forced: list[int]) -> boo
             return False
         drafts = drafts.token_ids
     return list(drafts[:len(forced)]) == forced
+
+
+def check_params_type(params) -> None:
+    """A request's params are a SamplingParams (a dict or None is a caller's slip: say how to build one)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}; "
+                         "build one: SamplingParams(**fields)")
 
 
 def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
