@@ -15,6 +15,7 @@ it drafts, and a step costs no extra round trip. A finished history travels as a
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ from collections import deque
 from dataclasses import replace
 
 from specray.cluster import placement as placement_groups
-from specray.cluster.executor import SETUP_TIMEOUT_S, rendezvous_address
+from specray.cluster.placement import SETUP_TIMEOUT_S, rendezvous_address
 from specray.cluster.ngram_pool import RayPoolLink, get_pool_actor
 from specray.cluster.ray_env import ray
 from specray.cluster.remote_errors import raise_remote
@@ -140,11 +141,12 @@ class DrafterWorker:
 
     def open_step_channel(self) -> tuple[str, int, bytes]:
         """Serve ``propose`` on a socket; returns (host, port, token) for :class:`StepClient`."""
-        import torch  # the channel's thread runs the drafter with this thread's torch thread count
-
-        threads = torch.get_num_threads()
+        # the channel's thread runs the drafter with this thread's torch thread count; a drafter that never
+        # imported torch (n-gram, suffix) leaves this process without it (seconds of start-up, hundreds of MB)
+        torch = sys.modules.get("torch")
+        threads = torch.get_num_threads() if torch is not None else None
         self.step_server = StepServer(self.propose, ray.util.get_node_ip_address(),
-                                      lambda: torch.set_num_threads(threads))
+                                      None if torch is None else lambda: torch.set_num_threads(threads))
         return self.step_server.address
 
     def node_id(self) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import threading
 import time
 from typing import Any, Callable
@@ -24,6 +23,7 @@ from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement
 from specray.contract import KVCacheInfo, StepPlan, StepResult
 from specray.cluster import placement as placement_groups
+from specray.cluster.placement import SETUP_TIMEOUT_S, rendezvous_address
 from specray.cluster.remote_errors import raise_remote
 from specray.errors import StepError, WorkerDiedError, log_error_detail
 from specray.engine.executor import CacheConfig, plan_num_blocks
@@ -33,17 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
-SETUP_TIMEOUT_S = 600.0  # loading a shard of a large model
 STEP_TIMEOUT_S = 600.0  # no step takes this long; a rank that does is treated as lost
-
-
-def rendezvous_address() -> str:
-    """A tcp:// address on this node with a free port, for rank 0 of a group to host the process group's store."""
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        port = s.getsockname()[1]
-    return f"tcp://{ip}:{port}"
 
 
 def grouped_by_node(items: list, nodes: list[str]) -> list:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 
 from specray.cluster.ray_env import ray
@@ -21,6 +22,7 @@ from specray.cluster.ray_env import ray
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0  # a group that cannot be placed in this long asks for more than the cluster has
+SETUP_TIMEOUT_S = 600.0  # a placed group's ranks loading their shards of a large model
 NAME_PREFIX = "specray"
 AUTOSCALING_ENV = "SPECRAY_RAY_AUTOSCALING"
 
@@ -49,6 +51,15 @@ def create(bundles: list[dict], strategy: str, role: str, advice: str):
         raise ValueError(f"cannot place {what}: still not placed after {PLACEMENT_TIMEOUT_S:.0f}s (free now: "
                          f"{ray.available_resources()}); {advice}")
     return pg
+
+
+def rendezvous_address() -> str:
+    """A tcp:// address on this node with a free port, for rank 0 of a group to host the process group's store."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    return f"tcp://{ip}:{port}"
 
 
 def remove(pg) -> None:

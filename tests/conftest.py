@@ -1413,6 +1413,9 @@ RAY_NODES = 3
 RAY_CPUS_PER_NODE = 2
 
 
+_ray = {"cluster": None, "stopped": False}  # the running test cluster; stopped after the Ray group
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Three Ray nodes on this machine (``ray.cluster_utils.Cluster``), each with 2 logical CPUs and a custom
@@ -1426,11 +1429,35 @@ def ray_cluster():
     for i in range(1, RAY_NODES):
         cluster.add_node(num_cpus=RAY_CPUS_PER_NODE, resources={f"node{i}": 1}, object_store_memory=store)
     ray.init(address=cluster.address, logging_level="WARNING")
+    _ray["cluster"] = cluster
     try:
         yield cluster
     finally:
+        stop_ray_cluster()
+
+
+def stop_ray_cluster() -> None:
+    import ray
+
+    cluster, _ray["cluster"] = _ray["cluster"], None
+    if cluster is not None:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.hookimpl(trylast=True)  # after the runner's own teardown (the Serve app's module fixture first)
+def pytest_runtest_teardown(item, nextitem):
+    """Under xdist the Ray group runs as one unit: once its last test is done, the cluster (idle, but its
+    raylets and agents keep polling) stops, leaving both cores to the tests that follow on this worker."""
+    if (os.environ.get("PYTEST_XDIST_WORKER") and _ray["cluster"] is not None and nextitem is not None
+            and test_group(item.nodeid) == "ray" and test_group(nextitem.nodeid) != "ray"):
+        stop_ray_cluster()
+        _ray["stopped"] = True
+
+
+def pytest_runtest_setup(item):
+    if _ray["stopped"] and test_group(item.nodeid) == "ray":
+        pytest.fail("the Ray test cluster stopped after the Ray group; this Ray test ran apart from the group")
 
 
 # ---- two pytest-xdist workers (README's command: -n 2) -----------------------------------------------------------

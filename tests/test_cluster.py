@@ -931,6 +931,8 @@ def test_shared_pool_lets_a_replica_draft_from_another_replicas_text():
         ask = DraftRequest("b", [7, 8, 901, 902], 4, params)
         assert second.propose([ask])[0].token_ids == [903, 904, 905, 906]
         assert alone.propose([ask])[0].token_ids == []
+        # an n-gram drafter's actor never imports torch: it starts in a fraction of a second and stays small
+        assert ray.get(second.actor.run.remote(probes.imported, "torch")) is False
     finally:
         for d in (first, second, alone):
             d.shutdown()
