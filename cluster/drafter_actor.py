@@ -142,7 +142,7 @@ class DrafterWorker:
     def open_step_channel(self) -> tuple[str, int, bytes]:
         """Serve ``propose`` on a socket; returns (host, port, token) for :class:`StepClient`."""
         # the channel's thread runs the drafter with this thread's torch thread count; a drafter that never
-        # imported torch (n-gram, suffix) leaves this process without it (seconds of start-up, hundreds of MB)
+        # imported torch (n-gram, suffix) leaves this process without it (importing it is most of a start-up)
         torch = sys.modules.get("torch")
         threads = torch.get_num_threads() if torch is not None else None
         self.step_server = StepServer(self.propose, ray.util.get_node_ip_address(),
