@@ -11,6 +11,7 @@ actors of its own (:func:`get_pool_actor`), so one method's records never reach 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 from specray.cluster.ray_env import ray
@@ -83,24 +84,31 @@ def get_pool_actor(name: str, method: str = "ngram"):
     ).remote()
 
 
+POOL_REPLY_TIMEOUT_S = 60.0  # a pool that has not answered an exchange in this long is treated as lost
+
+
 class RayPoolLink:
-    """The drafter's side: one exchange in flight at a time; updates made meanwhile wait for the next one."""
+    """The drafter's side: one exchange in flight at a time; updates made meanwhile wait for the next one. A pool
+    that fails, or does not answer within ``reply_timeout_s`` (an actor the cluster cannot place), is given up:
+    the drafter goes on with its own replica's text and nothing more is kept for the pool."""
 
     def __init__(self, actor, origin: str):
         self.actor = actor
         self.origin = origin
         self.pending = None  # ObjectRef of the exchange in flight
+        self.sent_at = 0.0  # when it was sent (time.monotonic)
         self.buffered: list[tuple[str, int, list[int]]] = []
         self.failed = False
+        self.reply_timeout_s = POOL_REPLY_TIMEOUT_S
 
     def exchange(self, updates, wait: bool = False):
-        self.buffered.extend(updates)
         if self.failed:
             return []
+        self.buffered.extend(updates)
         received = self._collect(wait)
-        if self.pending is None:
+        if self.pending is None and not self.failed:
             self.pending = self.actor.exchange.remote(self.origin, self.buffered)
-            self.buffered = []
+            self.sent_at, self.buffered = time.monotonic(), []
             if wait:
                 received += self._collect(True)
         return received
@@ -108,13 +116,20 @@ class RayPoolLink:
     def _collect(self, wait: bool) -> list:
         if self.pending is None:
             return []
-        ready, _ = ray.wait([self.pending], timeout=None if wait else 0)
+        left = self.reply_timeout_s - (time.monotonic() - self.sent_at)
+        ready, _ = ray.wait([self.pending], timeout=max(left, 0) if wait else 0)
         if not ready:
+            if left <= 0 or wait:
+                self._give_up(f"no answer in {self.reply_timeout_s:g} s: an actor the cluster could not place asks "
+                              f"for {POOL_NUM_CPUS} CPU on some node")
             return []
         ref, self.pending = self.pending, None
         try:
             return ray.get(ref)
         except RayError as err:
-            logger.warning("shared drafter pool unreachable (%s): drafting from this replica's text only", err)
-            self.failed = True
+            self._give_up(str(err))
             return []
+
+    def _give_up(self, why: str) -> None:
+        logger.warning("shared drafter pool unreachable (%s): drafting from this replica's text only", why)
+        self.failed, self.pending, self.buffered = True, None, []

@@ -160,3 +160,12 @@ def imported(_owner, module: str) -> bool:
     import sys
 
     return module in sys.modules
+
+
+def pool_link_state(drafter, reply_timeout_s: float | None = None) -> tuple[bool, int, bool]:
+    """A drafter actor's link to its shared pool: (given up, updates buffered for the pool, an exchange in flight);
+    ``reply_timeout_s`` first sets how long the link waits for the pool's answers."""
+    link = drafter.pool_link
+    if reply_timeout_s is not None:
+        link.reply_timeout_s = reply_timeout_s
+    return link.failed, len(link.buffered), link.pending is not None

@@ -940,6 +940,39 @@ def test_shared_pool_lets_a_replica_draft_from_another_replicas_text():
             ray.kill(ray.get_actor("specray-ngram-pool:" + name, namespace="specray"))
 
 
+def test_a_pool_that_is_lost_or_never_placed_leaves_each_replica_its_own_text():
+    """A replica whose shared pool actor dies, or never starts (here: created first under the pool's name asking for
+    a resource no node has, as an actor the cluster cannot place), gives the pool up (a warning) and goes on drafting
+    from its own text, keeping nothing more for the pool (its updates were kept for ever before)."""
+    import ray
+
+    from specray.cluster.ngram_pool import POOL_NAMESPACE, NgramPoolActor, pool_actor_name
+
+    stuck = ray.remote(NgramPoolActor).options(name=pool_actor_name("t-stuck"), namespace=POOL_NAMESPACE,
+                                               lifetime="detached", resources={"nowhere": 1}).remote()
+    never, lost = _pool_drafter("t-stuck"), _pool_drafter("t-lost")
+    params, text = SamplingParams(temperature=0.0), [900, 901, 902, 903, 904, 905, 906, 907]
+    try:
+        ray.get(never.actor.run.remote(probes.pool_link_state, 0.5))
+        never.propose([DraftRequest("a", [1, 2, 3] + text, 4, params)])
+        assert ray.get(never.actor.run.remote(probes.pool_link_state)) == (False, 0, True)  # waiting for it
+        time.sleep(0.6)
+        never.propose([DraftRequest("a", [1, 2, 3] + text + [1, 2], 4, params)])
+        lost.propose([DraftRequest("a", [1, 2, 3] + text, 4, params)])
+        lost.sync_pool()
+        ray.kill(ray.get_actor(pool_actor_name("t-lost"), namespace=POOL_NAMESPACE))
+        for i in range(3):
+            lost.propose([DraftRequest("a", [1, 2, 3] + text + [1] * i, 4, params)])
+        for drafter in (never, lost):
+            assert ray.get(drafter.actor.run.remote(probes.pool_link_state)) == (True, 0, False)
+            assert drafter.propose([DraftRequest("b", [7, 8, 901, 902], 4, params)])[0].token_ids == [903, 904, 905,
+                                                                                                     906]
+    finally:
+        for drafter in (never, lost):
+            drafter.shutdown()
+        ray.kill(stuck)
+
+
 # ---- several nodes -------------------------------------------------------------------------------------------
 
 def test_tp_ranks_on_two_nodes_and_the_draft_model_on_a_third(tiny_llama_dir, tiny_draft_dir):
