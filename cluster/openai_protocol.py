@@ -708,11 +708,13 @@ def required_calls_schema(tools: list[ChatTool], single_call: bool = False) -> d
     """The JSON schema of ``tool_choice="required"``'s output (vLLM's): an array of at least one call (at most one
     with ``single_call``), each ``{"name": <one tool's name>, "parameters": <that tool's parameters schema>}`` and
     nothing else (an anyOf over the tools). Each tool's ``$defs`` move to the top, where their ``#/$defs/...``
-    references point."""
+    references point; every other local reference (``#`` itself, ``#/definitions/...``, ``#/properties/...``) is
+    rewritten to point into its tool's branch, where it pointed in the tool's own schema."""
     defs: dict[str, Any] = {}
     branches = []
     for index, tool in enumerate(tools):
-        parameters = dict(tool.function.parameters or {"type": "object", "properties": {}})
+        parameters = _rebased_refs(dict(tool.function.parameters or {"type": "object", "properties": {}}),
+                                   f"#/items/anyOf/{index}/properties/parameters")
         for key, value in (parameters.pop("$defs", None) or {}).items():
             if key in defs and defs[key] != value:
                 raise bad_request(f"tools[{index}].function.parameters.$defs.{key} differs from another tool's "
@@ -729,6 +731,34 @@ def required_calls_schema(tools: list[ChatTool], single_call: bool = False) -> d
     if defs:
         schema["$defs"] = defs
     return schema
+
+
+# a schema's keywords whose values are JSON data, not schemas (a "$ref" key inside them is no reference), and those
+# whose values map names (a property's, a definition's) to schemas
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased_refs(schema: Any, base: str) -> Any:
+    """``schema`` with each local ``$ref`` (``#`` and ``#/...``) that does not point into its top-level ``$defs``
+    prefixed with ``base``, the pointer of where ``schema`` now sits inside a larger schema. The given dicts are not
+    changed."""
+    if isinstance(schema, list):
+        return [_rebased_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")) and not (
+                value == "#/$defs" or value.startswith("#/$defs/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased_refs(item, base) for name, item in value.items()}
+        else:
+            out[key] = _rebased_refs(value, base)
+    return out
 
 
 def _named_choice(choice: dict) -> str:

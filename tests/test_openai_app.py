@@ -1294,6 +1294,28 @@ def test_required_calls_schema_gathers_each_tool_s_defs():
     with pytest.raises(OpenAIError) as info:
         required_calls_schema([tool("a", {"X": {"enum": [1]}}), tool("b", {"X": {"enum": [2]}})])
     assert info.value.param == "tools.1.function.parameters.$defs.X"
+    # every other local reference ("#" itself, draft-07's definitions, a property) points where it pointed in its
+    # tool's own schema, not into the array of calls around it; data ("const", "enum") is left as it is
+    tree = {"type": "object", "definitions": {"U": {"enum": ["C", "F"]}}, "properties": {
+        "u": {"$ref": "#/definitions/U"}, "same": {"$ref": "#/properties/u"}, "default": {"$ref": "#/$defs/X"},
+        "kids": {"type": "array", "items": {"$ref": "#"}}, "tag": {"const": {"$ref": "#"}}}, "$defs": {"X": {}}}
+    schema = required_calls_schema([tool("a", {"X": {}}), ChatTool.model_validate(
+        {"type": "function", "function": {"name": "tree", "parameters": tree}})])
+
+    def resolve(root, ref):
+        for part in ref[2:].split("/") if ref != "#" else []:
+            root = root[int(part)] if isinstance(root, list) else root[part]
+        return root
+
+    params = schema["items"]["anyOf"][1]["properties"]["parameters"]
+    tree_alone = {key: value for key, value in tree.items() if key != "$defs"}
+    assert resolve(schema, params["properties"]["kids"]["items"]["$ref"]) == params
+    assert params == {**tree_alone, "definitions": tree["definitions"], "properties": {
+        **tree["properties"], "kids": {"type": "array", "items": {"$ref": "#/items/anyOf/1/properties/parameters"}},
+        "u": {"$ref": "#/items/anyOf/1/properties/parameters/definitions/U"},
+        "same": {"$ref": "#/items/anyOf/1/properties/parameters/properties/u"}}}
+    assert resolve(schema, params["properties"]["u"]["$ref"]) == {"enum": ["C", "F"]}
+    assert resolve(schema, params["properties"]["same"]["$ref"]) == params["properties"]["u"]
 
 
 # ---- the Responses API with a fake engine ----------------------------------------------------------------
