@@ -41,7 +41,7 @@ DRAFT_TIMEOUT_S = 60.0  # a drafter slower than this is treated as lost
 RESPAWN_BACKOFF_S = 5.0
 DRAFTER_PEER = "drafter actor rank"  # how errors and logs name the drafter's ranks (not the target's)
 # optional drafter hooks the engine calls (``getattr``); forwarded to the actor's drafter when it has them
-HOOKS = ("observe_verification", "observe_finished", "observe_node_tokens")
+HOOKS = ("observe_verification", "observe_finished", "observe_node_tokens", "reset_prefix_cache")
 
 
 class DrafterWorker:
@@ -188,7 +188,8 @@ class RemoteDrafter:
         """Take on the optional hooks the actor's drafter has, and only those: the engine calls a hook when
         ``getattr`` finds it, and a hook the drafter lacks would cost a queued event for nothing."""
         forwarders = {"observe_verification": self._observe_verification, "observe_finished": self._observe_finished,
-                      "observe_node_tokens": self._observe_node_tokens, "stats": self._stats}
+                      "observe_node_tokens": self._observe_node_tokens, "stats": self._stats,
+                      "reset_prefix_cache": self._reset_prefix_cache}
         for name in hooks:
             setattr(self, name, forwarders[name])
 
@@ -266,6 +267,9 @@ class RemoteDrafter:
 
     def _observe_node_tokens(self, req_id: str, node_tokens: list[int]) -> None:
         self._queue(("observe_node_tokens", req_id, list(node_tokens)))
+
+    def _reset_prefix_cache(self) -> None:
+        self._queue(("reset_prefix_cache",))  # every rank's draft model forgets its cached blocks
 
     def _observe_finished(self, req_id: str, token_ids) -> None:
         """Queued before the ``finish`` the engine calls next, so the actor completes the history it still

@@ -191,6 +191,11 @@ class DraftModelDrafter:
         return StepGraphs(self.model, self.block_size, list(range(num_blocks, num_blocks + scratch)), self.device)
 
     # ---- protocol -------------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        """Forget the draft model's cached blocks too (the engine's ``reset_prefix_cache``); running requests keep
+        the blocks they hold."""
+        self.blocks.reset_cache()
+
     def finish(self, req_ids) -> None:
         for rid in req_ids:
             state = self.states.pop(rid, None)

@@ -143,6 +143,13 @@ class DrafterRouter:
     def observe_node_tokens(self, req_id: str, node_tokens) -> None:
         self._tell("observe_node_tokens", req_id, node_tokens)
 
+    def reset_prefix_cache(self) -> None:
+        """Every drafter's own prefix cache forgotten (a draft model's), as the engine's is."""
+        for drafter in (self.own, *self._built.values()):
+            reset = getattr(drafter, "reset_prefix_cache", None)
+            if reset is not None:
+                reset()
+
     def _tell(self, hook: str, req_id: str, *args) -> None:
         told = getattr(self._owners.get(req_id, self.own), hook, None)
         if told is not None:

@@ -1231,7 +1231,8 @@ def test_remote_drafter_queues_hooks_in_order_and_sends_a_finished_history_as_a_
     sp = SamplingParams(temperature=0.0)
     assert all(getattr(_hooked_drafter([]), h, None) is None
                for h in ("observe_verification", "observe_finished", "observe_node_tokens", "stats"))
-    drafter = _hooked_drafter(["observe_verification", "observe_finished", "observe_node_tokens"])
+    drafter = _hooked_drafter(["observe_verification", "observe_finished", "observe_node_tokens",
+                               "reset_prefix_cache"])
     assert getattr(drafter, "stats", None) is None  # the actor's drafter keeps none: LLM.drafter_stats is None
     drafter.channel.answers.append([Proposal([4])])
     drafter.propose([DraftRequest("a", [1, 2, 3], 2, sp)])
@@ -1239,10 +1240,12 @@ def test_remote_drafter_queues_hooks_in_order_and_sends_a_finished_history_as_a_
     drafter.observe_verification("a", 1, 1)  # queued: no message per hook call
     drafter.observe_node_tokens("a", [4, 7])
     drafter.observe_finished("a", [1, 2, 3, 4, 9])
+    drafter.reset_prefix_cache()  # a draft model's cache, on every rank (LLM.reset_prefix_cache)
     assert len(drafter.channel.sent) == 1
     drafter.finish(["a"])  # one message: the events in the engine's order, the history's delta, the finish
     assert drafter.channel.sent[-1] == ([], [("observe_verification", "a", 1, 1), ("observe_node_tokens", "a", [4, 7]),
-                                             ("observe_finished", "a", 3, [4, 9]), ("finish", ["a"])])
+                                             ("observe_finished", "a", 3, [4, 9]), ("reset_prefix_cache",),
+                                             ("finish", ["a"])])
     drafter.channel.answers += [[], [Proposal([8])]]  # finish's answer is read and dropped before the next one
     assert drafter.propose([DraftRequest("b", [5, 6], 2, sp)])[0].token_ids == [8]
     assert drafter.channel.sent[-1] == ([("b", 0, [5, 6], 2, sp, 0)], []) and not drafter.unanswered

@@ -384,6 +384,7 @@ def test_a_draft_model_reuses_its_own_cached_blocks(tiny_llama_dir, tiny_draft_d
         assert runs.token_ids(again) == uncached[:1] and drafter.blocks.num_cached_blocks > 0
         assert sum(fed) < first - 48  # the prompt's cached blocks are not fed again
         assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks
+        assert llm.reset_prefix_cache() and drafter.blocks.num_cached_blocks == 0  # its cache is forgotten too
 
 
 def test_trees_moved_into_place_are_cached_after_their_move(tiny_llama_dir, uncached):

@@ -235,11 +235,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._unreported or self._carried or self._in_flight)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached KV block (vLLM's name); running requests keep the blocks they hold. True when the
-        engine caches prefixes (``enable_prefix_caching``), else False."""
+        """Forget every cached KV block (vLLM's name), a draft model's own too; running requests keep the blocks
+        they hold. True when the engine caches prefixes (``enable_prefix_caching``), else False."""
         if not self.scheduler.config.enable_prefix_caching:
             return False
         self.scheduler.reset_prefix_cache()
+        reset = getattr(self.drafter, "reset_prefix_cache", None)  # a drafter with a cache of its own
+        if reset is not None:
+            reset()
         return True
 
     def shutdown(self) -> None:
