@@ -483,12 +483,14 @@ class _ToolOutput:
     """How a chat request's tool calls come out of each choice's answer (its text after any reasoning):
     "named": the answer is the arguments of the function ``name`` (the grammar holds it to its schema);
     "required": a JSON array of calls (:class:`RequiredArrayStreamer`); "auto": what the tool call parser
-    ``parser`` finds in it."""
+    ``parser`` finds in it, only the first call with ``single_call`` (``parallel_tool_calls: false``; vLLM's:
+    the calls after it are dropped)."""
 
     mode: str
     name: str | None = None
     parser: str | None = None
     schemas: dict[str, dict] | None = None  # the request's functions' parameter schemas, by name
+    single_call: bool = False
 
     def streamer(self) -> ToolCallStreamer:
         return RequiredArrayStreamer() if self.mode == "required" else tool_call_streamer(self.parser, self.schemas)
@@ -546,6 +548,8 @@ class _ChatFormat(_Format):
             call = _tool_call(ParsedToolCall(tools.name, content))
             return proto.AssistantMessage(content=None, reasoning_content=reasoning, tool_calls=[call]), finish
         content, calls = parse_tool_calls(tools.streamer(), content)
+        if tools.single_call:
+            calls = calls[:1]
         message = proto.AssistantMessage(content=None if calls and not content.strip() else content,
                                          reasoning_content=reasoning, tool_calls=[_tool_call(c) for c in calls])
         return message, _finish_with_calls(finish, bool(calls))
@@ -587,6 +591,8 @@ class _ChatFormat(_Format):
         if finished:
             rest, more = choice.tool_stream.finish()
             content, calls = content + rest, calls + more
+        if tools.single_call:
+            calls = calls[:max(0, 1 - choice.tool_calls_sent)]
         if not choice.words_sent:  # blanks so far: held until words come, dropped if only calls come
             content, choice.blank_held = choice.blank_held + content, ""
             choice.words_sent = bool(content.strip())
@@ -1352,7 +1358,8 @@ class OpenAIServing:
                 "tool_choice 'required', a named function {'type': 'function', 'function': {'name': ...}}, or 'none'",
                 "tool_choice")
         schemas = {tool.function.name: tool.function.parameters or {} for tool in req.tools or []}
-        return _ToolOutput("auto", parser=config.tool_call_parser, schemas=schemas)
+        return _ToolOutput("auto", parser=config.tool_call_parser, schemas=schemas,
+                           single_call=req.parallel_tool_calls is False)
 
     async def _tokenize(self, body: Any, arrival: float) -> Response:
         """vLLM's /tokenize: the token ids the engine would get for a prompt or a chat, their count and the

@@ -1212,6 +1212,13 @@ def test_auto_tool_choice_reads_the_calls_with_the_server_s_parser(parser, piece
         status, plain = http_json(base + "/v1/chat/completions", {**body, "tool_choice": "none"})
         assert plain["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces),
                                                   "reasoning_content": None, "tool_calls": []}
+        if len(calls) > 1:  # parallel_tool_calls false: the first call only (vLLM's), whole and streamed
+            single = {**body, "parallel_tool_calls": False}
+            status, whole = http_json(base + "/v1/chat/completions", single)
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                    for c in whole["choices"][0]["message"]["tool_calls"]] == calls[:1]
+            _, streamed, _ = streamed_chat(sse_events(base + "/v1/chat/completions", {**single, "stream": True}))
+            assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == calls[:1]
 
 
 def test_auto_tool_choice_reads_calls_in_the_answer_after_the_reasoning():
