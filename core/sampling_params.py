@@ -332,8 +332,14 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
 
+    def _given(self, kind: str) -> bool:
+        """Whether the constraint ``kind`` is set: not None (json_object: True; False is unset too), so that a
+        wrong value such as ``json=False`` is named as wrong rather than taken for no constraint."""
+        value = getattr(self, kind)
+        return value is not None and not (kind == "json_object" and value is False)
+
     def check(self) -> None:
-        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in STRUCTURED_KINDS if self._given(k)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs sets {given or 'none'} of {list(STRUCTURED_KINDS)}: set exactly one "
                              "(json: a JSON schema, regex, choice: a list of strings, grammar: Lark or GBNF, or "
@@ -356,7 +362,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_KINDS if self._given(k))
 
 
 def choice_seed(seed: int, choice: int) -> int:

@@ -61,6 +61,14 @@ def test_a_spec_sets_exactly_one_valid_constraint(fields):
         SamplingParams(structured_outputs=fields)
 
 
+def test_a_false_or_zero_constraint_is_named_as_wrong_not_taken_for_none():
+    for fields, field in (({"json": False}, "json"), ({"json": 0}, "json"), ({"regex": False}, "regex"),
+                          ({"choice": False}, "choice"), ({"grammar": 0}, "grammar")):
+        with pytest.raises(ValueError, match=rf"structured_outputs\.{field}="):
+            StructuredOutputsParams(**fields).check()
+    StructuredOutputsParams(regex="a", json_object=False).check()  # json_object=False is no constraint
+
+
 def test_sampling_params_take_a_dict():
     params = SamplingParams(structured_outputs={"regex": "a+"})
     assert params.structured_outputs == StructuredOutputsParams(regex="a+")
