@@ -3,6 +3,7 @@
 Tiny random target (6 layers, so EAGLE-3's layers 2, L/2, L-3 exist); prompts from a file."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model
 from specray.training.data import DataConfig
 from specray.training.pipeline import PipelineConfig, run
-from specray.training.train import TrainConfig, build_draft, unroll
+from specray.training.train import TrainConfig, build_draft, load_trained, train_module, unroll
 
 PROMPTS = ["def add(a, b):", "Hello world", "The quick brown fox", "for i in range(10):", "Summarize the text",
            "Extract the names", "How are you today?", "print(i)"]
@@ -243,12 +244,24 @@ def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir
         assert stats.accepted_tokens > 0, stats.as_dict()
 
 
+def _checkpoint(folder, **options) -> str:
+    """``folder`` holding a checkpoint.pt as a run with ``options`` saves it (no weights: none are read)."""
+    torch.save({"head": {}, "opt": {}, "step": 1, "config": asdict(TrainConfig(**options))}, folder / "checkpoint.pt")
+    return str(folder)
+
+
 @pytest.mark.parametrize("make_bad, match", [
     (lambda tmp: TrainConfig(epochs=0), r"^epochs=0 must be a number > 0"),
     (lambda tmp: TrainConfig(lr=float("nan")), r"^lr=nan must be a number > 0"),
     (lambda tmp: DataConfig(prompt_file=str(tmp / "missing.txt")), r"^prompt_file='.*missing.txt' is not a file"),
     (lambda tmp: run(PipelineConfig("unused", str(tmp / "file" / "out"))), r"^out_dir='.*out' cannot be made"),
     (lambda tmp: PipelineConfig("unused", str(tmp), num_threads=0), r"^num_threads=0 must be an int >= 1"),
+    # a checkpoint of another method, or of another number of heads, is not resumed (nor exported) as this one
+    (lambda tmp: load_trained(None, None, None, TrainConfig(method="dflash"), _checkpoint(tmp, method="eagle3")),
+     r"checkpoint.pt was trained with method='eagle3', not 'dflash': run with --method eagle3 .*another --out"),
+    (lambda tmp: train_module(torch.nn.Linear(1, 1), TrainConfig(method="medusa", medusa_num_heads=3), [], None,
+                              f"{_checkpoint(tmp, method='medusa')}/checkpoint.pt", None),
+     r"trained with medusa_num_heads=4, not 3: run with --medusa-num-heads 4"),
 ])
 def test_bad_training_options_are_clear_errors_before_any_work(tmp_path, make_bad, match):
     (tmp_path / "file").write_text("a file where the output folder's parent should be")

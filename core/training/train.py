@@ -84,10 +84,29 @@ class TrainConfig:
                 raise ValueError(f"{name}={value!r} must be a number > 0")
 
 
+# the options that shape what a method trains: a checkpoint made with other values is another module
+_SHAPING = {"medusa": ("medusa_num_heads",), "mtp": ("mtp_num_modules",), "mlp_speculator": ("ttt_steps",),
+            "dflash": ("dflash_block_size", "dflash_num_layers")}
+
+
+def load_checkpoint(path: str, config: TrainConfig) -> dict:
+    """``path`` (a ``checkpoint.pt``) as saved, checked to hold what ``config`` trains: a checkpoint of another
+    method, or of another number of heads, modules, stages or layers, is a ValueError rather than a resumption."""
+    state = torch.load(path, weights_only=False)
+    saved = state.get("config") or {}
+    for name in ("method", *_SHAPING.get(config.method, ())):
+        if name in saved and saved[name] != getattr(config, name):
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"{path} was trained with {name}={saved[name]!r}, not {getattr(config, name)!r}: "
+                             f"run with {option} {saved[name]} to go on with it, or give another --out (or "
+                             "delete its train/ folder) to train anew")
+    return state
+
+
 def load_trained(build, target, target_config, config: TrainConfig, out_dir: str) -> torch.nn.Module:
     """The module ``build(target, target_config, config)`` makes, with the weights trained in
     ``out_dir/checkpoint.pt`` (what the export stage writes)."""
-    state = torch.load(os.path.join(out_dir, CHECKPOINT), weights_only=False)
+    state = load_checkpoint(os.path.join(out_dir, CHECKPOINT), config)
     module = build(target, target_config, config)
     module.load_state_dict(state["head"])
     return module
@@ -387,7 +406,7 @@ def train(target, target_config, store: FeatureStore, prompt_lens: list[int], co
     """Train (or resume) a head in ``out_dir``; returns the held-out metrics. The trained head is
     ``out_dir/checkpoint.pt``; :func:`export` writes it in the public layout."""
     feats, labels, train_ids, eval_ids, ckpt_path = prepare(store, config, out_dir)
-    state = torch.load(ckpt_path, weights_only=False) if os.path.exists(ckpt_path) else None
+    state = load_checkpoint(ckpt_path, config) if os.path.exists(ckpt_path) else None
     if state is not None:
         vocab_ids = state["vocab_ids"]
     else:
@@ -505,7 +524,7 @@ def export(target, target_config, config: TrainConfig, out_dir: str, head_dir: s
     the LM head rows it shares with the target)."""
     from specray.models.draft_head_loader import save_draft_head
 
-    state = torch.load(os.path.join(out_dir, CHECKPOINT), weights_only=False)
+    state = load_checkpoint(os.path.join(out_dir, CHECKPOINT), config)
     head = build_draft(target, target_config, config, state["vocab_ids"])
     head.load_state_dict(state["head"], strict=False)
     card = head_config(target_config, config.method, len(state["vocab_ids"]))
@@ -524,7 +543,7 @@ def train_module(module: torch.nn.Module, config: TrainConfig, train_ids: list[i
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     step = 0
     if os.path.exists(ckpt_path):
-        state = torch.load(ckpt_path, weights_only=False)
+        state = load_checkpoint(ckpt_path, config)
         module.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
