@@ -3,6 +3,7 @@
 Tiny random target (6 layers, so EAGLE-3's layers 2, L/2, L-3 exist); prompts from a file."""
 
 import json
+import shutil
 from dataclasses import asdict
 
 import pytest
@@ -226,6 +227,14 @@ def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir
     run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=0.01, **train),
                        stages=("data", "features", "train")))
     first = torch.load(out / "train" / "checkpoint.pt", weights_only=False)["step"]
+    if method == "dflash":  # resumed, each step draws the anchors an unstopped run draws: the same weights
+        unstopped = tmp_path / "unstopped"
+        shutil.copytree(out, unstopped, ignore=shutil.ignore_patterns("train"))
+        for folder in (out, unstopped):
+            run(PipelineConfig(str(target_dir), str(folder), data, TrainConfig(epochs=1, **train), stages=("train",)))
+        resumed, whole = (torch.load(f / "train" / "checkpoint.pt", weights_only=False) for f in (out, unstopped))
+        assert resumed["step"] == whole["step"] > first
+        assert all(torch.equal(resumed["head"][k], whole["head"][k]) for k in whole["head"])
     trained = run(PipelineConfig(str(target_dir), str(out), data, TrainConfig(epochs=12, **train),
                                  stages=("features", "train", "export")))
     assert trained["step"] > first >= 1

@@ -14,6 +14,7 @@ are :func:`specray.training.train.optimize`'s.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -26,7 +27,8 @@ from specray.models.draft_head_loader import target_head_rows
 from specray.models.layers import rope_parameters
 from specray.models.plain_config import PlainConfig
 from specray.training.features import FeatureStore
-from specray.training.train import TrainConfig, _batches, feature_layers, load_trained, prepare, train_module
+from specray.training.train import (TrainConfig, _batches, feature_layers, load_checkpoint, load_trained, prepare,
+                                    train_module)
 
 
 class _Norm(nn.Module):
@@ -229,7 +231,8 @@ def train_dflash(target, target_config, store: FeatureStore, prompt_lens: list[i
     lm_head = target_head_rows(target, torch.arange(vocab)).float()
     embed = target.embed(torch.arange(vocab)).detach().float()
     mask_id, block = vocab - 1, config.dflash_block_size
-    rng = np.random.default_rng(config.seed)
+    # each step's anchors drawn from (seed, step): a resumed run draws what an unstopped one would have
+    steps = itertools.count(load_checkpoint(ckpt_path, config)["step"] if os.path.exists(ckpt_path) else 0)
 
     def passes(batch_ids: list[int], draw: np.random.Generator | None):
         """(loss, hits, valid) of each sample of ``batch_ids`` that has an answer to anchor at (anchors drawn with
@@ -242,7 +245,7 @@ def train_dflash(target, target_config, store: FeatureStore, prompt_lens: list[i
 
     def run_batch(batch_ids: list[int]) -> tuple[torch.Tensor, float]:
         losses, hit, count = [], 0, 0
-        for loss, hits, valid in passes(batch_ids, rng):
+        for loss, hits, valid in passes(batch_ids, np.random.default_rng([config.seed, next(steps)])):
             losses.append(loss)
             hit += int(hits[:, 0][valid[:, 0]].sum())
             count += int(valid[:, 0].sum())
