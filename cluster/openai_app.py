@@ -992,10 +992,10 @@ class OpenAIServing:
         return await self._handle(request, self._chat_completions)
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        return await self._handle(request, self._load_lora_adapter)
+        return await self._handle(request, self._load_lora_adapter, generation=False)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        return await self._handle(request, self._unload_lora_adapter)
+        return await self._handle(request, self._unload_lora_adapter, generation=False)
 
     async def _load_lora_adapter(self, body: Any, arrival: float) -> Response:
         """vLLM's runtime LoRA loading: the adapter at ``lora_path`` served as ``lora_name`` from now on (its
@@ -1026,10 +1026,10 @@ class OpenAIServing:
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def tokenize(self, request: Request) -> Response:
-        return await self._handle(request, self._tokenize)
+        return await self._handle(request, self._tokenize, generation=False)
 
     async def detokenize(self, request: Request) -> Response:
-        return await self._handle(request, self._detokenize)
+        return await self._handle(request, self._detokenize, generation=False)
 
     async def models(self) -> dict:
         cards = [self._model_card(name, await self._adapter(name)) for name in await self._names()]
@@ -1151,20 +1151,23 @@ class OpenAIServing:
         return JSONResponse({**state, "num_queued": self.num_queued})
 
     # ---- request handling ------------------------------------------------------------------------------
-    async def _handle(self, request: Request, endpoint, read=None) -> Response:
+    async def _handle(self, request: Request, endpoint, read=None, generation: bool = True) -> Response:
+        """``endpoint(body, arrival)``'s response, or its error in OpenAI's JSON; a generation route's outcome is
+        counted in ``specray_requests_total`` (``generation=False``: /tokenize, /detokenize, LoRA loading)."""
         arrival = time.monotonic()
+        record = self.metrics.record_request if generation else (lambda status: None)
         try:
             body = await (read or _json_body)(request, self.config.max_request_body_bytes)
             response = await endpoint(body, arrival)
         except asyncio.CancelledError:
-            self.metrics.record_request("cancelled")
+            record("cancelled")
             raise
         except Exception as exc:
             err = to_openai_error(exc)
-            self.metrics.record_request(str(err.status))
+            record(str(err.status))
             return error_response(err)
         if not isinstance(response, StreamingResponse):  # a stream records its own outcome when it ends
-            self.metrics.record_request("200")
+            record("200")
         return response
 
     async def _completions(self, body: Any, arrival: float) -> Response:

@@ -332,10 +332,18 @@ def test_a_chat_template_of_the_servers_own(tiny_llama_dir):
         assert status == 400 and "--chat-template" in err["message"]
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     with app_in_thread(fake, chat_template=template) as base:
+        before = http_json_text(base + "/metrics")
         status, tokens = http_json(base + "/tokenize", chat)
         assert status == 200
         assert tokens["tokens"] == fake.tokenizer.encode("<user>Hello<assistant>Hi", add_special_tokens=False)
+        assert http_json(base + "/detokenize", {"tokens": tokens["tokens"]})[0] == 200
+        assert http_json(base + "/tokenize", {})[0] == 400
         assert http_json(base + "/v1/chat/completions", chat)[0] == 200
+        # specray_requests_total counts generation requests: the chat, not /tokenize's or /detokenize's
+        after = http_json_text(base + "/metrics")
+        for status, grown in (("200", 1), ("400", 0)):
+            assert metric_value(after, "specray_requests_total", status=status) == \
+                metric_value(before, "specray_requests_total", status=status) + grown, status
 
 
 class StallingEngineClient(FakeEngineClient):
