@@ -189,6 +189,24 @@ def test_magpie_prompts_resume_without_repeats(tmp_path, target_dir):
         make_prompts(_FakeLLM(tok, stop=False), DataConfig(num_prompts=5, batch_size=4), str(tmp_path / "none"))
 
 
+def test_a_prompt_longer_than_the_target_is_named_before_any_answer(tmp_path, target_dir):
+    """A prompt of the prompt file that leaves no room for an answer is a ValueError naming it and the limit, raised
+    before the target answers any prompt (not the engine's error about some prompt_token_ids)."""
+    from types import SimpleNamespace
+
+    from specray.models.loader import load_tokenizer
+    from specray.training.data import make_samples
+
+    def generate(*args, **kwargs):
+        raise AssertionError("answered before the prompts were checked")
+
+    llm = SimpleNamespace(get_tokenizer=lambda: load_tokenizer(str(target_dir)), generate=generate,
+                          engine=SimpleNamespace(max_model_len=64))
+    with pytest.raises(ValueError, match=r"^prompt 2 of the prompts \('word word.*\) is \d+ tokens in the "
+                                         r"chat template, and the target's max_model_len=64 .*shorten it"):
+        make_samples(llm, ["Hello", "word " * 100], DataConfig(), str(tmp_path))
+
+
 # per method: its own training options, what its export writes, how it is served
 WHOLE_MODULES = {
     "medusa": (dict(medusa_num_heads=4), 4, lambda head: (head / "medusa_lm_head.safetensors").exists(),

@@ -170,11 +170,19 @@ def make_samples(llm, prompts: list[str], config: DataConfig, out_dir: str, prog
     done = read_jsonl(path)
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=config.answer_max_tokens)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts[len(done):]]
+    limit = llm.engine.max_model_len
+    for i, text in enumerate(texts, len(done)):  # all checked before any is answered
+        n = len(tokenizer.encode(text, add_special_tokens=False))
+        if n >= limit:
+            where = f"prompt_file={config.prompt_file!r}" if config.prompt_file else "the prompts"
+            raise ValueError(f"prompt {i + 1} of {where} ({prompts[i][:40]!r}...) is {n} tokens in the chat "
+                             f"template, and the target's max_model_len={limit} leaves no room for an answer: "
+                             "shorten it or leave it out")
     for start in range(len(done), len(prompts), config.batch_size):
-        batch = prompts[start : start + config.batch_size]
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in batch]
-        outs = llm.generate([{"prompt": t, "add_special_tokens": False} for t in texts], params, use_tqdm=False)
+        batch = texts[start - len(done) : start - len(done) + config.batch_size]
+        outs = llm.generate([{"prompt": t, "add_special_tokens": False} for t in batch], params, use_tqdm=False)
         records = [{"prompt": start + i, "token_ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids),
                     "num_prompt_tokens": len(o.prompt_token_ids)} for i, o in enumerate(outs)]
         _append(path, records)
