@@ -283,6 +283,7 @@ def _checkpoint(folder, **options) -> str:
     (lambda tmp: DataConfig(prompt_file=str(tmp / "missing.txt")), r"^prompt_file='.*missing.txt' is not a file"),
     (lambda tmp: run(PipelineConfig("unused", str(tmp / "file" / "out"))), r"^out_dir='.*out' cannot be made"),
     (lambda tmp: PipelineConfig("unused", str(tmp), num_threads=0), r"^num_threads=0 must be an int >= 1"),
+    (lambda tmp: PipelineConfig("unused", str(tmp), stages=()), r"^stages=\(\) is empty: nothing would run"),
     # a checkpoint of another method, or of another number of heads, is not resumed (nor exported) as this one
     (lambda tmp: load_trained(None, None, None, TrainConfig(method="dflash"), _checkpoint(tmp, method="eagle3")),
      r"checkpoint.pt was trained with method='eagle3', not 'dflash': run with --method eagle3 .*another --out"),

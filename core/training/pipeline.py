@@ -37,6 +37,8 @@ class PipelineConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError(f"stages={self.stages!r} is empty: nothing would run; give some of {list(STAGES)}")
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ValueError(f"stages {unknown} are unknown; choose from {list(STAGES)}")
