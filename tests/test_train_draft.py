@@ -13,7 +13,7 @@ from specray import LLM, SamplingParams
 from specray.models.attention import build_attention_metadata
 from specray.models.kv_cache import allocate_kv_cache
 from specray.models.loader import load_hf_config, load_model
-from specray.training.data import DataConfig
+from specray.training.data import DataConfig, make_prompts
 from specray.training.pipeline import PipelineConfig, run
 from specray.training.train import TrainConfig, build_draft, load_trained, train_module, unroll
 
@@ -271,6 +271,11 @@ def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir
         assert stats.accepted_tokens > 0, stats.as_dict()
 
 
+def _written(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
 def _checkpoint(folder, **options) -> str:
     """``folder`` holding a checkpoint.pt as a run with ``options`` saves it (no weights: none are read)."""
     torch.save({"head": {}, "opt": {}, "step": 1, "config": asdict(TrainConfig(**options))}, folder / "checkpoint.pt")
@@ -284,6 +289,8 @@ def _checkpoint(folder, **options) -> str:
     (lambda tmp: run(PipelineConfig("unused", str(tmp / "file" / "out"))), r"^out_dir='.*out' cannot be made"),
     (lambda tmp: PipelineConfig("unused", str(tmp), num_threads=0), r"^num_threads=0 must be an int >= 1"),
     (lambda tmp: PipelineConfig("unused", str(tmp), stages=()), r"^stages=\(\) is empty: nothing would run"),
+    (lambda tmp: make_prompts(None, DataConfig(prompt_file=_written(tmp / "p.txt", 'Hi\n{"prompt": "x"\n')), str(tmp)),
+     r"p.txt:2: a line starting with '\{' must be a JSON object \{\"prompt\": \"...\"\} \(Expecting"),
     # a checkpoint of another method, or of another number of heads, is not resumed (nor exported) as this one
     (lambda tmp: load_trained(None, None, None, TrainConfig(method="dflash"), _checkpoint(tmp, method="eagle3")),
      r"checkpoint.pt was trained with method='eagle3', not 'dflash': run with --method eagle3 .*another --out"),

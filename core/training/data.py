@@ -98,7 +98,12 @@ def _prompts_from_file(path: str) -> list[str]:
             if not line:
                 continue
             if line.startswith("{"):
-                item = json.loads(line)
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{n}: a line starting with '{{' must be a JSON object "
+                                     f"{{\"prompt\": \"...\"}} ({err.msg} at column {err.colno}); write a "
+                                     "prompt that starts with '{' as one") from None
                 if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
                     raise ValueError(f"{path}:{n}: expected a line of text or {{\"prompt\": \"...\"}}")
                 line = item["prompt"]
