@@ -272,8 +272,12 @@ def test_train_draft_whole_module_trains_resumes_and_drafts(tmp_path, target_dir
 
 
 def _written(path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return str(path)
+
+
+SAMPLE = '{"prompt": 0, "token_ids": [1, 2, 3], "num_prompt_tokens": 1}\n'  # a samples.jsonl record
 
 
 def _checkpoint(folder, **options) -> str:
@@ -291,6 +295,11 @@ def _checkpoint(folder, **options) -> str:
     (lambda tmp: PipelineConfig("unused", str(tmp), stages=()), r"^stages=\(\) is empty: nothing would run"),
     (lambda tmp: make_prompts(None, DataConfig(prompt_file=_written(tmp / "p.txt", 'Hi\n{"prompt": "x"\n')), str(tmp)),
      r"p.txt:2: a line starting with '\{' must be a JSON object \{\"prompt\": \"...\"\} \(Expecting"),
+    # a stage without what the stage before it leaves: said before the target (here none) is loaded
+    (lambda tmp: _written(tmp / "samples.jsonl", SAMPLE) and run(PipelineConfig("unused", str(tmp), stages=("train",))),
+     r"features holds no features: run the 'features' stage first"),
+    (lambda tmp: _written(tmp / "samples.jsonl", SAMPLE) and _written(tmp / "features" / "features.json", "{}") and
+     run(PipelineConfig("unused", str(tmp), stages=("export",))), r"holds no checkpoint.pt: run the 'train' stage"),
     # a checkpoint of another method, or of another number of heads, is not resumed (nor exported) as this one
     (lambda tmp: load_trained(None, None, None, TrainConfig(method="dflash"), _checkpoint(tmp, method="eagle3")),
      r"checkpoint.pt was trained with method='eagle3', not 'dflash': run with --method eagle3 .*another --out"),

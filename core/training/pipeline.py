@@ -65,12 +65,12 @@ def run(config: PipelineConfig) -> dict:
 
     from specray.models.loader import load_hf_config, load_model
     from specray.training.data import SAMPLES_FILE, make_prompts, make_samples, read_jsonl
-    from specray.training.features import compute_features
+    from specray.training.features import INDEX_FILE, compute_features
     from specray.training.dflash import export_dflash, train_dflash
     from specray.training.medusa import export_medusa, train_medusa
     from specray.training.mlp_speculator import export_mlp_speculator, train_mlp_speculator
     from specray.training.redrafter import export_redrafter, train_redrafter
-    from specray.training.train import export, feature_layers, train
+    from specray.training.train import CHECKPOINT, export, feature_layers, train
 
     fit, write = {"medusa": (train_medusa, export_medusa), "redrafter": (train_redrafter, export_redrafter),
                   "mlp_speculator": (train_mlp_speculator, export_mlp_speculator),
@@ -99,10 +99,16 @@ def run(config: PipelineConfig) -> dict:
     samples = read_jsonl(os.path.join(config.out_dir, SAMPLES_FILE))
     if not samples:
         raise ValueError(f"{config.out_dir}/{SAMPLES_FILE} holds no samples: run the 'data' stage first")
+    feature_dir = os.path.join(config.out_dir, "features")
+    # a later stage asked without what an earlier one leaves: said before the target is loaded
+    if "features" not in stages and not os.path.exists(os.path.join(feature_dir, INDEX_FILE)):
+        raise ValueError(f"{feature_dir} holds no features: run the 'features' stage first")
+    if "train" not in stages and "export" in stages and \
+            not os.path.exists(os.path.join(config.out_dir, "train", CHECKPOINT)):
+        raise ValueError(f"{config.out_dir}/train holds no {CHECKPOINT}: run the 'train' stage first")
     target_config = load_hf_config(config.model)
     target = load_model(config.model, pack=False)
     layers = feature_layers(config.train.method, target_config.num_hidden_layers)
-    feature_dir = os.path.join(config.out_dir, "features")
     if "features" in stages:
         store = compute_features(target, samples, layers, feature_dir,
                                  progress=lambda a, b: _say(f"features {a}/{b}") if a % 50 == 0 or a == b else None)
