@@ -291,6 +291,8 @@ def _checkpoint(folder, **options) -> str:
     (lambda tmp: TrainConfig(lr=float("nan")), r"^lr=nan must be a number > 0"),
     (lambda tmp: DataConfig(prompt_file=str(tmp / "missing.txt")), r"^prompt_file='.*missing.txt' is not a file"),
     (lambda tmp: run(PipelineConfig("unused", str(tmp / "file" / "out"))), r"^out_dir='.*out' cannot be made"),
+    (lambda tmp: run(PipelineConfig("unused", str(tmp / "out"), head_dir=str(tmp / "file"))),
+     r"^head_dir='.*file' cannot be made \(File exists\); pass a folder you can write to"),
     (lambda tmp: PipelineConfig("unused", str(tmp), num_threads=0), r"^num_threads=0 must be an int >= 1"),
     (lambda tmp: PipelineConfig("unused", str(tmp), stages=()), r"^stages=\(\) is empty: nothing would run"),
     (lambda tmp: make_prompts(None, DataConfig(prompt_file=_written(tmp / "p.txt", 'Hi\n{"prompt": "x"\n')), str(tmp)),

@@ -48,11 +48,16 @@ class PipelineConfig:
                              "torch's default")
 
     def make_out_dir(self) -> None:
-        try:
-            os.makedirs(self.out_dir, exist_ok=True)
-        except OSError as err:
-            raise ValueError(f"out_dir={self.out_dir!r} cannot be made ({err.strerror}); pass a folder you can "
-                             "write to") from None
+        """The output folder made, and the head's when the export stage will write it (before any work)."""
+        folders = {"out_dir": self.out_dir}
+        if "export" in self.stages and self.head_dir is not None:
+            folders["head_dir"] = self.head_dir
+        for name, folder in folders.items():
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as err:
+                raise ValueError(f"{name}={folder!r} cannot be made ({err.strerror}); pass a folder you can "
+                                 "write to") from None
 
 
 def _say(msg: str) -> None:
