@@ -327,7 +327,8 @@ def _add_train_draft_parser(sub) -> None:
     p.add_argument("--answer-max-tokens", type=int, default=256)
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="the draft vocabulary: the most frequent "
+                   "labels (--method eagle3; default 8192; the other heads draft over the target's whole vocabulary)")
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
     p.add_argument("--medusa-num-heads", type=int, default=None, help="Medusa heads to train (--method medusa; "
                    "default 4)")
@@ -344,8 +345,8 @@ def _add_train_draft_parser(sub) -> None:
 
 
 # train-draft's options of one method each (given with another, they would be ignored)
-_TRAIN_METHOD_FLAGS = {"medusa_num_heads": "medusa", "mtp_num_modules": "mtp", "dflash_block_size": "dflash",
-                       "dflash_num_layers": "dflash"}
+_TRAIN_METHOD_FLAGS = {"draft_vocab_size": "eagle3", "medusa_num_heads": "medusa", "mtp_num_modules": "mtp",
+                       "dflash_block_size": "dflash", "dflash_num_layers": "dflash"}
 
 
 def cmd_train_draft(args) -> int:
@@ -364,9 +365,8 @@ def cmd_train_draft(args) -> int:
         model=args.model or default_model_path(), out_dir=args.out,
         data=DataConfig(num_prompts=args.num_prompts, prompt_file=args.prompt_file,
                         answer_max_tokens=args.answer_max_tokens, seed=args.seed),
-        train=TrainConfig(method=args.method, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab_size,
-                          ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch, seed=args.seed,
-                          **given),
+        train=TrainConfig(method=args.method, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps,
+                          tokens_per_batch=args.tokens_per_batch, seed=args.seed, **given),
         stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()), head_dir=args.head_dir,
         num_threads=args.num_threads)
     metrics = run(config)

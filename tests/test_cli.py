@@ -581,6 +581,10 @@ def test_train_draft_runs_its_stages_and_refuses_unknown_ones(tiny_llama_dir, tm
     # another method's option (it was ignored)
     assert main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(out), "--medusa-num-heads", "2"]) == 2
     assert "--medusa-num-heads is an option of --method medusa, not of --method eagle3" in capsys.readouterr().err
+    # EAGLE-3's draft vocabulary: the other heads draft over the whole vocabulary
+    assert main(["train-draft", "--method", "mtp", "--model", str(tiny_llama_dir), "--out", str(out),
+                 "--draft-vocab-size", "64"]) == 2
+    assert "--draft-vocab-size is an option of --method eagle3, not of --method mtp" in capsys.readouterr().err
     assert not out.exists()
     assert main(["train-draft", "--method", "eagle", "--model", str(tiny_llama_dir), "--out", str(out),
                  "--stages", "data", "--prompt-file", str(prompts), "--num-prompts", "3",
