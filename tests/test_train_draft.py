@@ -297,6 +297,11 @@ def _checkpoint(folder, **options) -> str:
     (lambda tmp: PipelineConfig("unused", str(tmp), stages=()), r"^stages=\(\) is empty: nothing would run"),
     (lambda tmp: make_prompts(None, DataConfig(prompt_file=_written(tmp / "p.txt", 'Hi\n{"prompt": "x"\n')), str(tmp)),
      r"p.txt:2: a line starting with '\{' must be a JSON object \{\"prompt\": \"...\"\} \(Expecting"),
+    # an output folder whose samples answer another prompt file's prompts
+    (lambda tmp: _written(tmp / "o" / "prompts.jsonl", '{"prompt": "Hello"}\n') and
+     make_prompts(None, DataConfig(prompt_file=_written(tmp / "b.txt", "Hello\nHi\n")), str(tmp / "o")) and
+     make_prompts(None, DataConfig(prompt_file=_written(tmp / "c.txt", "Bye\n")), str(tmp / "o")),
+     r"prompts.jsonl holds other prompts than prompt_file='.*c.txt' \(prompt 1: 'Hello', not 'Bye'\).*another --out"),
     # a stage without what the stage before it leaves: said before the target (here none) is loaded
     (lambda tmp: _written(tmp / "samples.jsonl", SAMPLE) and run(PipelineConfig("unused", str(tmp), stages=("train",))),
      r"features holds no features: run the 'features' stage first"),

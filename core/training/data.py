@@ -122,6 +122,11 @@ def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[s
     have = [r["prompt"] for r in read_jsonl(path)]
     if config.prompt_file is not None:
         wanted = _prompts_from_file(config.prompt_file)[: config.num_prompts]
+        differ = next((i for i, (a, b) in enumerate(zip(have, wanted)) if a != b), None)
+        if differ is not None:  # the samples made there answer other prompts
+            raise ValueError(f"{path} holds other prompts than prompt_file={config.prompt_file!r} (prompt "
+                             f"{differ + 1}: {have[differ][:40]!r}, not {wanted[differ][:40]!r}): its samples "
+                             "answer those; give another --out for these prompts")
         if len(have) < len(wanted):
             _append(path, [{"prompt": p} for p in wanted[len(have):]])
         return wanted
