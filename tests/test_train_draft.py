@@ -295,12 +295,14 @@ def _checkpoint(folder, **options) -> str:
      r"^head_dir='.*file' cannot be made \(File exists\); pass a folder you can write to"),
     (lambda tmp: PipelineConfig("unused", str(tmp), num_threads=0), r"^num_threads=0 must be an int >= 1"),
     (lambda tmp: PipelineConfig("unused", str(tmp), stages=()), r"^stages=\(\) is empty: nothing would run"),
-    (lambda tmp: make_prompts(None, DataConfig(prompt_file=_written(tmp / "p.txt", 'Hi\n{"prompt": "x"\n')), str(tmp)),
+    # a prompt file's faults: said before the target (here none) is loaded
+    (lambda tmp: run(PipelineConfig("unused", str(tmp), data=DataConfig(
+        prompt_file=_written(tmp / "p.txt", 'Hi\n{"prompt": "x"\n')))),
      r"p.txt:2: a line starting with '\{' must be a JSON object \{\"prompt\": \"...\"\} \(Expecting"),
     # an output folder whose samples answer another prompt file's prompts
     (lambda tmp: _written(tmp / "o" / "prompts.jsonl", '{"prompt": "Hello"}\n') and
      make_prompts(None, DataConfig(prompt_file=_written(tmp / "b.txt", "Hello\nHi\n")), str(tmp / "o")) and
-     make_prompts(None, DataConfig(prompt_file=_written(tmp / "c.txt", "Bye\n")), str(tmp / "o")),
+     run(PipelineConfig("unused", str(tmp / "o"), data=DataConfig(prompt_file=_written(tmp / "c.txt", "Bye\n")))),
      r"prompts.jsonl holds other prompts than prompt_file='.*c.txt' \(prompt 1: 'Hello', not 'Bye'\).*another --out"),
     # a stage without what the stage before it leaves: said before the target (here none) is loaded
     (lambda tmp: _written(tmp / "samples.jsonl", SAMPLE) and run(PipelineConfig("unused", str(tmp), stages=("train",))),

@@ -113,6 +113,20 @@ def _prompts_from_file(path: str) -> list[str]:
     return prompts
 
 
+def file_prompts(config: DataConfig, out_dir: str) -> list[str]:
+    """The prompts of ``config.prompt_file`` (its first ``num_prompts``), checked to begin with those ``out_dir``
+    already holds (its samples answer them): a ValueError otherwise, or for a file of no or malformed prompts."""
+    path = os.path.join(out_dir, PROMPTS_FILE)
+    have = [r["prompt"] for r in read_jsonl(path)]
+    wanted = _prompts_from_file(config.prompt_file)[: config.num_prompts]
+    differ = next((i for i, (a, b) in enumerate(zip(have, wanted)) if a != b), None)
+    if differ is not None:  # the samples made there answer other prompts
+        raise ValueError(f"{path} holds other prompts than prompt_file={config.prompt_file!r} (prompt "
+                         f"{differ + 1}: {have[differ][:40]!r}, not {wanted[differ][:40]!r}): its samples "
+                         "answer those; give another --out for these prompts")
+    return wanted
+
+
 def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[str]:
     """``prompts.jsonl`` in ``out_dir``, completed to ``config.num_prompts`` prompts (resumed when it exists)."""
     from specray.sampling_params import SamplingParams
@@ -121,12 +135,7 @@ def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[s
     path = os.path.join(out_dir, PROMPTS_FILE)
     have = [r["prompt"] for r in read_jsonl(path)]
     if config.prompt_file is not None:
-        wanted = _prompts_from_file(config.prompt_file)[: config.num_prompts]
-        differ = next((i for i, (a, b) in enumerate(zip(have, wanted)) if a != b), None)
-        if differ is not None:  # the samples made there answer other prompts
-            raise ValueError(f"{path} holds other prompts than prompt_file={config.prompt_file!r} (prompt "
-                             f"{differ + 1}: {have[differ][:40]!r}, not {wanted[differ][:40]!r}): its samples "
-                             "answer those; give another --out for these prompts")
+        wanted = file_prompts(config, out_dir)
         if len(have) < len(wanted):
             _append(path, [{"prompt": p} for p in wanted[len(have):]])
         return wanted
