@@ -435,7 +435,9 @@ def train(target, target_config, store: FeatureStore, prompt_lens: list[int], co
                     lambda s: _save(ckpt_path, head, opt, s, vocab_ids, config), progress)
     metrics = evaluate(head, store, eval_ids, feats, labels, prompt_lens, config, t2d)
     metrics.update(step=step, train_samples=len(train_ids), eval_samples=len(eval_ids),
-                   train_tokens=int(sum(store.lengths[i] for i in train_ids)), draft_vocab_size=len(vocab_ids))
+                   train_tokens=int(sum(store.lengths[i] for i in train_ids)))
+    if getattr(head, "lm_head", None) is not None:  # EAGLE-3's own vocabulary (the others: the target's whole one)
+        metrics["draft_vocab_size"] = len(vocab_ids)
     return metrics
 
 
