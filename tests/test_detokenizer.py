@@ -40,7 +40,8 @@ def test_fast_decode_matches_tokenizer_decode(request, which, skip):
     equal what the same detokenizer gives through ``tokenizer.decode``."""
     tokenizer = request.getfixturevalue("tokenizer" if which == "tiny" else "smollm2_tokenizer")
     rng = random.Random(0)
-    extra = tokenizer.encode("héllo wörld 日本語 🙂 ok")  # multi-byte characters split over byte tokens
+    # multi-byte characters split over byte tokens, and the special tokens (rare among random ids of a large vocab)
+    extra = tokenizer.encode("héllo wörld 日本語 🙂 ok") + tokenizer.all_special_ids
     vocab = len(tokenizer)
     sequences = [([rng.randrange(vocab) for _ in range(rng.randint(1, 9))],
                   [rng.choice(extra) if rng.random() < 0.3 else rng.randrange(vocab) for _ in range(40)])

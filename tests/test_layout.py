@@ -1,6 +1,7 @@
 """The layout of DEVELOPERS.md: one `specray` package; no bare component module is importable."""
 
 import ast
+import functools
 import importlib
 import importlib.util
 import subprocess
@@ -33,17 +34,25 @@ def test_packages_map_to_folders(mod):
     assert Path(spec.origin).resolve().parent == (ROOT / folder).resolve()
 
 
-def _imports(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text())
-    names = []
-    for node in ast.walk(tree):
+@functools.lru_cache(maxsize=None)
+def _scan(path: Path) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The modules ``path`` imports (relative ones with their dots) and the lines of its strings naming
+    specray.cluster: each file is parsed once per session, for all the tests below."""
+    names, cluster_strings = [], []
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
             names.append("." * node.level + (node.module or ""))
-    return names
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "specray.cluster" in node.value:
+            cluster_strings.append(node.lineno)
+    return tuple(names), tuple(cluster_strings)
+
+
+def _imports(path: Path) -> tuple[str, ...]:
+    return _scan(path)[0]
 
 
 def _py_files(*folders):
@@ -149,11 +158,8 @@ def test_no_import_cycle():
 def test_core_never_names_the_cluster_package():
     """cluster registers its executor, remote drafter and engine client (entry points in pyproject.toml): the
     core finds them through specray.engine.plugins, never by a module path in a string."""
-    bad = []
-    for path in _py_files("core", "scheduler", "workers", "drafters"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "specray.cluster" in node.value:
-                bad.append((str(path.relative_to(ROOT)), node.lineno))
+    bad = [(str(path.relative_to(ROOT)), line) for path in _py_files("core", "scheduler", "workers", "drafters")
+           for line in _scan(path)[1]]
     assert not bad, f"strings naming specray.cluster below it: {bad}"
 
 
