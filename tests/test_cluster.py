@@ -394,11 +394,11 @@ def head_case(request, method: str, tiny_llama_dir, tmp_path) -> tuple[Path, Pat
 
 
 # one case per way a head reads the target across stages: EAGLE-3's residual streams of earlier stages' layers (chains
-# over stages of two ranks, trees), an MTP block with its own cache (DeepSeek's, experts whole per rank, over stages of
-# two ranks; Qwen3.5's over a hybrid target, EAGLE-2 trees), the target's embedding on the last stage
-# (ReDrafter), the last hidden state alone (the MLP speculator), DFlash's stream of the first stage's layer with its own
-# cache
-PP_HEAD_CASES = [("eagle3", 2), ("eagle3-tree", 1), ("deepseek-mtp-ep", 2),
+# over stages of two ranks), an MTP block with its own cache (DeepSeek's, experts whole per rank, over stages of two
+# ranks; Qwen3.5's over a hybrid target, EAGLE-2 trees), three distinct MTP modules chained (EAGLE-2 trees, a level
+# from each module), the target's embedding on the last stage (ReDrafter), the last hidden state alone (the MLP
+# speculator), DFlash's stream of the first stage's layer with its own cache
+PP_HEAD_CASES = [("eagle3", 2), ("mtp3-tree", 1), ("deepseek-mtp-ep", 2),
                  ("qwen3_5-mtp-tree", 1), ("redrafter", 1), ("mlp_speculator", 1), ("dflash", 1)]
 
 
