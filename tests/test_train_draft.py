@@ -304,6 +304,15 @@ def _checkpoint(folder, **options) -> str:
      make_prompts(None, DataConfig(prompt_file=_written(tmp / "b.txt", "Hello\nHi\n")), str(tmp / "o")) and
      run(PipelineConfig("unused", str(tmp / "o"), data=DataConfig(prompt_file=_written(tmp / "c.txt", "Bye\n")))),
      r"prompts.jsonl holds other prompts than prompt_file='.*c.txt' \(prompt 1: 'Hello', not 'Bye'\).*another --out"),
+    # an output folder of more prompts than asked for (training would read the samples of them all), the target's
+    # own or a prompt file's: said before the target (here none) is loaded
+    (lambda tmp: _written(tmp / "prompts.jsonl", '{"prompt": "Hello"}\n{"prompt": "Hi"}\n') and
+     run(PipelineConfig("unused", str(tmp), data=DataConfig(num_prompts=1))),
+     r"prompts.jsonl already holds 2 prompts, more than num_prompts=1.*--num-prompts 2 \(or more\)"),
+    (lambda tmp: _written(tmp / "prompts.jsonl", '{"prompt": "Hello"}\n{"prompt": "Hi"}\n') and
+     run(PipelineConfig("unused", str(tmp), data=DataConfig(num_prompts=1,
+                                                          prompt_file=_written(tmp / "b.txt", "Hello\nHi\n")))),
+     r"prompts.jsonl already holds 2 prompts, more than num_prompts=1"),
     # a stage without what the stage before it leaves: said before the target (here none) is loaded
     (lambda tmp: _written(tmp / "samples.jsonl", SAMPLE) and run(PipelineConfig("unused", str(tmp), stages=("train",))),
      r"features holds no features: run the 'features' stage first"),

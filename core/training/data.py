@@ -113,11 +113,24 @@ def _prompts_from_file(path: str) -> list[str]:
     return prompts
 
 
+def kept_prompts(config: DataConfig, out_dir: str) -> list[str]:
+    """The prompts ``out_dir`` already holds (a run goes on from them), no more than ``config.num_prompts``: its
+    samples answer every one, and training reads them all, so a smaller ``num_prompts`` would be ignored (a
+    ValueError)."""
+    path = os.path.join(out_dir, PROMPTS_FILE)
+    have = [r["prompt"] for r in read_jsonl(path)]
+    if len(have) > config.num_prompts:
+        raise ValueError(f"{path} already holds {len(have)} prompts, more than num_prompts={config.num_prompts}, "
+                         "and training reads every sample made from them: run with --num-prompts "
+                         f"{len(have)} (or more) to go on with them, or give another --out for fewer")
+    return have
+
+
 def file_prompts(config: DataConfig, out_dir: str) -> list[str]:
     """The prompts of ``config.prompt_file`` (its first ``num_prompts``), checked to begin with those ``out_dir``
     already holds (its samples answer them): a ValueError otherwise, or for a file of no or malformed prompts."""
     path = os.path.join(out_dir, PROMPTS_FILE)
-    have = [r["prompt"] for r in read_jsonl(path)]
+    have = kept_prompts(config, out_dir)
     wanted = _prompts_from_file(config.prompt_file)[: config.num_prompts]
     differ = next((i for i, (a, b) in enumerate(zip(have, wanted)) if a != b), None)
     if differ is not None:  # the samples made there answer other prompts
@@ -133,7 +146,7 @@ def make_prompts(llm, config: DataConfig, out_dir: str, progress=None) -> list[s
 
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, PROMPTS_FILE)
-    have = [r["prompt"] for r in read_jsonl(path)]
+    have = kept_prompts(config, out_dir)
     if config.prompt_file is not None:
         wanted = file_prompts(config, out_dir)
         if len(have) < len(wanted):

@@ -69,7 +69,7 @@ def run(config: PipelineConfig) -> dict:
     import torch
 
     from specray.models.loader import load_hf_config, load_model
-    from specray.training.data import SAMPLES_FILE, file_prompts, make_prompts, make_samples, read_jsonl
+    from specray.training.data import SAMPLES_FILE, file_prompts, kept_prompts, make_prompts, make_samples, read_jsonl
     from specray.training.features import INDEX_FILE, compute_features
     from specray.training.dflash import export_dflash, train_dflash
     from specray.training.medusa import export_medusa, train_medusa
@@ -87,8 +87,8 @@ def run(config: PipelineConfig) -> dict:
     if "data" in config.stages:
         from specray import LLM
 
-        if config.data.prompt_file is not None:  # its faults said before the target loads
-            file_prompts(config.data, config.out_dir)
+        # the folder's prompts, and the prompt file's, checked before the target loads
+        (kept_prompts if config.data.prompt_file is None else file_prompts)(config.data, config.out_dir)
         llm = LLM(config.model, max_num_seqs=config.data.max_num_seqs, num_threads=config.num_threads)
         prompts = make_prompts(llm, config.data, config.out_dir,
                                progress=lambda a, b: _say(f"prompts {a}/{b}"))
