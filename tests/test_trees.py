@@ -324,8 +324,9 @@ def test_user_drafter_options_are_checked(tiny_llama_dir, tmp_path, monkeypatch)
 
 class BadDrafter:
     """The engine's own drafter for every request but one, which gets a broken tree, an id outside the
-    vocabulary, ids that are not integers, a list in place of a Proposal, or (with the others) a list of the wrong
-    length; and whose ``finish`` raises for it."""
+    vocabulary, ids that are not integers (or None, or a tensor), a list in place of a Proposal, a q that is not a
+    tensor of a row per draft with each draft within its width, or (with the others) a list of the wrong length;
+    and whose ``finish`` raises for it."""
 
     def __init__(self, inner, bad_req: str, what: str):
         self.inner, self.bad_req, self.what, self.bad_calls = inner, bad_req, what, 0
@@ -344,7 +345,10 @@ class BadDrafter:
             if self.what == "count":
                 return out + [Proposal([])]
             out[i] = {"parents": Proposal([5, 6, 7], parents=[-1, 2, 0]), "vocab": Proposal([5, 10 ** 9]),
-                      "floats": Proposal([5, 6.5]), "list": [5, 6]}[self.what]
+                      "floats": Proposal([5, 6.5]), "list": [5, 6], "none": Proposal(None),
+                      "tensor": Proposal(torch.tensor([5, 6])), "probs_list": Proposal([5, 6], [[0.5, 0.5]] * 2),
+                      "probs_rows": Proposal([5, 6], torch.full((1, 9), 1 / 9)),
+                      "probs_narrow": Proposal([5, 9], torch.full((2, 9), 1 / 9))}[self.what]
         return out
 
     def finish(self, req_ids):
@@ -353,7 +357,8 @@ class BadDrafter:
             raise RuntimeError("finish failed on purpose")
 
 
-@pytest.mark.parametrize("what", ["parents", "vocab", "floats", "list", "count"])  # one that raises: test_engine.py
+@pytest.mark.parametrize("what", ["parents", "vocab", "floats", "list", "count", "none", "tensor", "probs_list",
+                                  "probs_rows", "probs_narrow"])  # one that raises: test_engine.py
 def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, plain_outputs, what, caplog):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_STATIC)
     engine, tok = llm.engine, llm.get_tokenizer()

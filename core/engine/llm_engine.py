@@ -8,6 +8,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
@@ -1110,13 +1111,17 @@ def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
 
 
 def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
-    """What is wrong with a drafter's proposal (None: nothing): not a Proposal, ids that are not integers or fall
-    outside the vocabulary, or a tree that is not one (a parent that is not an earlier node, lengths that differ,
-    or a tree with a drafter's q)."""
+    """What is wrong with a drafter's proposal (None: nothing): not a Proposal, token ids that are not a list of
+    integers (a tensor, None) or fall outside the vocabulary, a q (``probs``) that is not a float tensor of a row
+    per token no wider than the vocabulary with each token in its width, or a tree that is not one (a parent that
+    is not an earlier node, lengths that differ, or a tree with a drafter's q)."""
     if not isinstance(proposal, Proposal):
         return (f"the drafter returned {type(proposal).__name__} {proposal!r:.60} for a request; propose must return "
                 "one specray.drafters.base.Proposal per request, such as Proposal(token_ids=[...])")
     tokens, parents = proposal.token_ids, proposal.parents
+    if not isinstance(tokens, (list, tuple)) and (isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence)):
+        return (f"the drafter proposed token_ids of type {type(tokens).__name__} ({tokens!r:.60}); give a list of "
+                "ints (Proposal([]) for no drafts; a tensor's .tolist())")
     if tokens:  # min/max/sum: C loops, this runs every step
         try:
             integers = hasattr(sum(tokens), "__index__")  # a float among them makes the sum one
@@ -1127,6 +1132,10 @@ def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
             return f"the drafter proposed token ids that are not integers: {list(tokens)[:8]!r:.80}"
         if outside:
             return f"the drafter proposed token ids outside the vocabulary [0, {vocab_size}): {list(tokens)[:8]}"
+    if proposal.probs is not None:
+        problem = _check_probs(proposal.probs, tokens, vocab_size)
+        if problem is not None:
+            return problem
     if parents is None:
         return None
     if proposal.probs is not None:
@@ -1136,6 +1145,23 @@ def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
                 f"{None if proposal.scores is None else len(proposal.scores)} scores; give one of each per node")
     if any(not isinstance(p, int) or not -1 <= p < i for i, p in enumerate(parents)):
         return f"the drafter's tree parents {list(parents)[:16]} are not -1 or an earlier node for every node"
+    return None
+
+
+def _check_probs(probs, tokens, vocab_size: int) -> str | None:
+    """What is wrong with a chain's q (None: nothing): it must be a float tensor [len(token_ids), V'] with V' <= the
+    vocabulary (a draft vocabulary's first V' ids) and every token below V' (else its q is 0). Its values are the
+    verifier's to check (on the device, without a sync: a row that is not a distribution over its token is
+    verified as a deterministic draft)."""
+    shape = getattr(probs, "shape", None)
+    floating = getattr(probs, "is_floating_point", None)
+    if shape is None or not callable(floating) or not floating() or len(shape) != 2:
+        return (f"the drafter proposed probs of type {type(probs).__name__} {tuple(shape or ())}; give a float "
+                "torch.Tensor [len(token_ids), vocab] (or None for drafts without a q)")
+    rows, width = shape
+    if rows < len(tokens) or not 0 < width <= vocab_size or (tokens and max(tokens) >= width):
+        return (f"the drafter proposed {len(tokens)} tokens (the largest {max(tokens, default=None)}) with probs of "
+                f"shape {tuple(shape)}; give one row per token, at most {vocab_size} wide, each token within it")
     return None
 
 
