@@ -233,8 +233,18 @@ def pad_drafts(
         if one_hot:
             b_idx, i_idx, x_idx = torch.tensor(one_hot, dtype=torch.long, device=device).unbind(dim=1)
             q[b_idx, i_idx, x_idx] = 1.0
+        q = _usable_q(q, draft_ids)
     has_q = None if q is None else [x is not None for x in draft_probs]
     return PaddedDrafts(target, draft_ids, num_drafts, q, counts, has_q)
+
+
+def _usable_q(q: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """q [B, K, V], draft_ids [B, K] -> q with each row that is no distribution its draft was drawn from (a value
+    not finite or negative, or no mass on the draft: a drafter's bug) one-hot on its draft, which verifies any
+    draft losslessly (a q of 0 on the draft would accept it always). On the device, no sync."""
+    x = draft_ids[..., None]
+    usable = (q.gather(-1, x) > 0) & (torch.isfinite(q) & (q >= 0)).all(dim=-1, keepdim=True)  # [B, K, 1]
+    return torch.where(usable, q, torch.zeros_like(q).scatter_(-1, x, 1.0))
 
 
 class TargetLogprobs(NamedTuple):

@@ -397,6 +397,14 @@ def test_pad_drafts_and_unpad():
     out, n = verify(*pd[:4], build([GREEDY] * 4), draft_counts=pd.draft_counts)
     kept = unpad_outputs(out, n)
     assert kept == [[6], [6], [6], [6]]  # arange logits: the argmax is always the last id
+    # a drafter's q that is no distribution its draft came from (no mass on it: it would be accepted always; a value
+    # not finite, or negative) is verified as a deterministic draft, one-hot on it; a proper row stays as it is
+    bad = torch.tensor([[0.0, 0.5, 0.5, 0, 0, 0, 0], [float("nan")] * vocab])
+    negative = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.5, -0.5, 0.0]])
+    pd = pad_drafts(logits, drafts, [torch.full((2, 5), 0.2), None, negative, bad])
+    assert pd.draft_probs[3].tolist() == [[0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 1]]
+    assert pd.draft_probs[2, 0].tolist() == [0, 0, 0, 0, 1, 0, 0]
+    torch.testing.assert_close(pd.draft_probs[0, 1], torch.tensor([0.2] * 5 + [0.0] * 2))
 
 
 # ---- no host syncs ------------------------------------------------------------------------------------------
