@@ -326,7 +326,8 @@ class BadDrafter:
     """The engine's own drafter for every request but one, which gets a broken tree, an id outside the
     vocabulary, ids that are not integers (or None, or a tensor), a list in place of a Proposal, a q that is not a
     tensor of a row per draft with each draft within its width, or (with the others) a list of the wrong length;
-    and whose ``finish`` raises for it."""
+    or that appends to that request's history (a user's drafter is handed a tuple: it raises); and whose
+    ``finish`` raises for it."""
 
     def __init__(self, inner, bad_req: str, what: str):
         self.inner, self.bad_req, self.what, self.bad_calls = inner, bad_req, what, 0
@@ -337,9 +338,13 @@ class BadDrafter:
     def propose(self, batch):
         from specray.drafters.base import Proposal
 
+        for d in batch:
+            if d.req_id == self.bad_req and self.what == "mutate":  # its drafts appended to the history it is given
+                self.bad_calls += 1
+                d.token_ids.append(5)
         out = self.inner.propose(batch)
         for i, d in enumerate(batch):
-            if d.req_id != self.bad_req:
+            if d.req_id != self.bad_req or self.what == "mutate":
                 continue
             self.bad_calls += 1
             if self.what == "count":
@@ -358,7 +363,7 @@ class BadDrafter:
 
 
 @pytest.mark.parametrize("what", ["parents", "vocab", "floats", "list", "count", "none", "tensor", "probs_list",
-                                  "probs_rows", "probs_narrow"])  # one that raises: test_engine.py
+                                  "probs_rows", "probs_narrow", "mutate"])  # one that raises: test_engine.py
 def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, plain_outputs, what, caplog):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_STATIC)
     engine, tok = llm.engine, llm.get_tokenizer()
@@ -374,7 +379,7 @@ def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, 
     assert [done[i].outputs[0].token_ids for i in ids] == plain_outputs[:3]
     assert all(done[i].outputs[0].finish_reason != "error" for i in ids)
     # asked once (alone once more after a batch it spoilt), never again; the others kept drafting
-    assert bad.bad_calls == (2 if what == "count" else 1) and engine.drafting_failures == 1
+    assert bad.bad_calls == (2 if what in ("count", "mutate") else 1) and engine.drafting_failures == 1
     assert f"drafting failed for request {ids[1]}" in caplog.text and not engine._undrafted
     assert "the drafter's finish failed" in caplog.text and not engine.tracked  # logged, not raised
     assert llm.spec_stats.accepted_tokens > 0

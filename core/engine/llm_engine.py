@@ -462,7 +462,10 @@ class LLMEngine:
                 self._submit_drafts({}, {}, failed, busy=busy)
             return {}
         cheaps = self._cheapness(decoding)
-        batch = [DraftRequest(r.req_id, r.all_token_ids, self._ask(r, len(running), off_path, cheap),
+        # a drafter of the user's gets each history as a tuple: one that changed the request's own list in place
+        # (appending its drafts to it) would corrupt the request
+        history = (lambda r: r.all_token_ids) if _specray_drafter(self.drafter) else (lambda r: tuple(r.all_token_ids))
+        batch = [DraftRequest(r.req_id, history(r), self._ask(r, len(running), off_path, cheap),
                               r.sampling_params, num_prompt_tokens=r.num_prompt_tokens)
                  for (r, off_path), cheap in zip(decoding, cheaps)]
         drafts, probs = {}, {}
@@ -1146,6 +1149,13 @@ def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
     if any(not isinstance(p, int) or not -1 <= p < i for i, p in enumerate(parents)):
         return f"the drafter's tree parents {list(parents)[:16]} are not -1 or an earlier node for every node"
     return None
+
+
+def _specray_drafter(drafter) -> bool:
+    """Whether ``drafter`` is one of specray's own (behind a router: the router's own drafter too), which reads the
+    histories it is handed without changing them."""
+    own = getattr(drafter, "own", None) if isinstance(drafter, DrafterRouter) else None
+    return type(drafter).__module__.startswith("specray.") and (own is None or _specray_drafter(own))
 
 
 def _check_probs(probs, tokens, vocab_size: int) -> str | None:
