@@ -325,7 +325,8 @@ def test_user_drafter_options_are_checked(tiny_llama_dir, tmp_path, monkeypatch)
 class BadDrafter:
     """The engine's own drafter for every request but one, which gets a broken tree, an id outside the
     vocabulary, ids that are not integers (or None, or a tensor), a list in place of a Proposal, a q that is not a
-    tensor of a row per draft with each draft within its width, or (with the others) a list of the wrong length;
+    tensor of a row per draft with each draft within its width, a key that is no dict key or scores that are not
+    numbers, or (with the others) a list of the wrong length;
     or that appends to that request's history (a user's drafter is handed a tuple: it raises); and whose
     ``finish`` raises for it."""
 
@@ -353,7 +354,9 @@ class BadDrafter:
                       "floats": Proposal([5, 6.5]), "list": [5, 6], "none": Proposal(None),
                       "tensor": Proposal(torch.tensor([5, 6])), "probs_list": Proposal([5, 6], [[0.5, 0.5]] * 2),
                       "probs_rows": Proposal([5, 6], torch.full((1, 9), 1 / 9)),
-                      "probs_narrow": Proposal([5, 9], torch.full((2, 9), 1 / 9))}[self.what]
+                      "probs_narrow": Proposal([5, 9], torch.full((2, 9), 1 / 9)),
+                      "key": Proposal([5, 6], key=[2]),
+                      "scores": Proposal([5, 6, 7], parents=[-1, 0, 0], scores=["high"] * 3)}[self.what]
         return out
 
     def finish(self, req_ids):
@@ -362,8 +365,9 @@ class BadDrafter:
             raise RuntimeError("finish failed on purpose")
 
 
+# (one that raises: test_engine.py)
 @pytest.mark.parametrize("what", ["parents", "vocab", "floats", "list", "count", "none", "tensor", "probs_list",
-                                  "probs_rows", "probs_narrow", "mutate"])  # one that raises: test_engine.py
+                                  "probs_rows", "probs_narrow", "mutate", "key", "scores"])
 def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, plain_outputs, what, caplog):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_STATIC)
     engine, tok = llm.engine, llm.get_tokenizer()

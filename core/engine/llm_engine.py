@@ -1116,8 +1116,9 @@ def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
 def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
     """What is wrong with a drafter's proposal (None: nothing): not a Proposal, token ids that are not a list of
     integers (a tensor, None) or fall outside the vocabulary, a q (``probs``) that is not a float tensor of a row
-    per token no wider than the vocabulary with each token in its width, or a tree that is not one (a parent that
-    is not an earlier node, lengths that differ, or a tree with a drafter's q)."""
+    per token no wider than the vocabulary with each token in its width, a key that is not hashable or scores that
+    are not numbers, or a tree that is not one (a parent that is not an earlier node, lengths that differ, or a
+    tree with a drafter's q)."""
     if not isinstance(proposal, Proposal):
         return (f"the drafter returned {type(proposal).__name__} {proposal!r:.60} for a request; propose must return "
                 "one specray.drafters.base.Proposal per request, such as Proposal(token_ids=[...])")
@@ -1139,6 +1140,14 @@ def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
         problem = _check_probs(proposal.probs, tokens, vocab_size)
         if problem is not None:
             return problem
+    try:
+        hash(proposal.key)
+        numbers = proposal.scores is None or isinstance(sum(proposal.scores), (int, float))
+    except TypeError:
+        numbers = False
+    if not numbers:  # the draft policy keys its evidence by the key and prices the drafts by the scores
+        return (f"the drafter proposed key={proposal.key!r:.40} and scores={proposal.scores!r:.60}; give an int key "
+                "(or None) and a float score per token (or None)")
     if parents is None:
         return None
     if proposal.probs is not None:
