@@ -224,7 +224,7 @@ def _messages(req: ResponsesRequest, prior: int = 0) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text_of(output, f"input.{i}.output")})
         elif kind != "reasoning":
-            raise proto.bad_request(f"input[{i}].type={kind!r:.50} is not supported; send messages, function_call "
+            raise proto.bad_request(f"input[{i}].type={kind!r:.50} is not supported; send message, function_call "
                                     "and function_call_output items", f"input.{i}.type")
     if not messages:
         raise proto.bad_request("input has no message; send a string or at least one message item", "input")

@@ -1582,7 +1582,7 @@ def test_responses_api_errors_name_its_own_parameters():
             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
              "input", "reads text only"),
             ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role", "not a valid role"),
-            ({"input": [{"type": "file_search_call"}]}, "input.0.type", "not supported"),
+            ({"input": [{"type": "file_search_call"}]}, "input.0.type", "not supported; send message, function_call"),
             ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                           "arguments": "{bad"}]}, "input.1.arguments", "valid JSON"),
             ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "c",
