@@ -363,11 +363,13 @@ def response_object(req: ResponsesRequest, response_id: str, created: int, model
                     stored: bool = False) -> dict[str, Any]:
     """The response: its output items, status ("in_progress", "completed", or "incomplete" when
     ``max_output_tokens`` cut it) and usage, with the request's settings echoed as OpenAI does."""
+    reasoning = req.reasoning or {}
     return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "store": stored,
             "temperature": req.temperature, "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,

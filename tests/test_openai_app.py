@@ -310,7 +310,8 @@ def test_reasoning_effort_reaches_the_chat_template(tiny_llama_dir):
         assert http_json(base + "/v1/chat/completions", both)[0] == 200
         assert prompt() == "[high]Hi"
         body = {"input": "Hi", "max_output_tokens": 2, "reasoning": {"effort": "medium"}}
-        assert http_json(base + "/v1/responses", body)[0] == 200
+        status, resp = http_json(base + "/v1/responses", body)
+        assert status == 200 and resp["reasoning"] == {"effort": "medium", "summary": None}, resp  # echoed
         assert prompt() == "[medium]Hi"
         status, err = error_of(http_json(base + "/v1/chat/completions", {**chat, "reasoning_effort": "max"}))
         assert (status, err["param"]) == (400, "reasoning_effort")
