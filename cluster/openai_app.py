@@ -650,6 +650,9 @@ class _ResponsesFormat(_ChatFormat):
         self.sequence = 0
         self.output: list[dict] = []  # the items done so far
         self.open: dict | None = None  # the item being streamed: kind, id, output index, text (and a call's)
+        # logprobs asked for: the output tokens' not yet sent with a text delta (their text held back, or
+        # reasoning's or a call's: they go out with the message text after them)
+        self.pending_logprobs: list[dict] = []
 
     def _response(self, status: str, usage: dict | None = None, output: list[dict] | None = None) -> dict:
         return responses.response_object(self.request, self.request_id, self.created, self.model,
@@ -667,10 +670,17 @@ class _ResponsesFormat(_ChatFormat):
         if self.on_response is not None and finished is not None:
             await self.on_response(finished)
 
+    def _logprob_entries(self, choice: _Choice, start: int, end: int) -> list[dict] | None:
+        """Output tokens start..end's logprobs in the API's form (None: not asked for)."""
+        logprobs = self._logprobs(choice, start, end)
+        return None if logprobs is None else [entry.model_dump() for entry in logprobs.content or ()]
+
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
         message, _ = self._message(choices[0])
         status = responses.status_of(choices[0].output.finish_reason)
-        return self._finished(self._response(status, responses.usage(usage), responses.output_items(message, status)))
+        logprobs = self._logprob_entries(choices[0], 0, len(choices[0].output.token_ids))
+        return self._finished(self._response(status, responses.usage(usage),
+                                             responses.output_items(message, status, logprobs)))
 
     def sse(self, event: dict) -> str:
         event = {"type": event["type"], "sequence_number": self.sequence, **event}
@@ -682,7 +692,8 @@ class _ResponsesFormat(_ChatFormat):
                 {"type": "response.in_progress", "response": self._response("in_progress")}]
 
     def stream_chunk(self, choice: _Choice, continuous_usage: bool = False) -> list[dict]:
-        text, _, _ = choice.take_delta()
+        text, start, end = choice.take_delta()
+        self.pending_logprobs += self._logprob_entries(choice, start, end) or []
         delta = self._delta(choice, text, choice.output.finish_reason is not None)
         events = self._text_events("reasoning", delta.get("reasoning_content", ""))
         events += self._text_events("message", delta.get("content", ""))
@@ -714,12 +725,17 @@ class _ResponsesFormat(_ChatFormat):
             item = responses.message_item(item_id, "", "in_progress") if kind == "message" else {
                 "type": "reasoning", "id": item_id, "summary": [], "content": []}
             part = responses.output_text("") if kind == "message" else {"type": "reasoning_text", "text": ""}
-            self.open = {"kind": kind, "id": item_id, "index": index, "text": ""}
+            self.open = {"kind": kind, "id": item_id, "index": index, "text": "", "logprobs": []}
             events += [{"type": "response.output_item.added", "output_index": index, "item": item},
                        {"type": "response.content_part.added", **self._where(), "content_index": 0, "part": part}]
         self.open["text"] += text
-        kind_name = "output_text" if kind == "message" else "reasoning_text"
-        return events + [{"type": f"response.{kind_name}.delta", **self._where(), "content_index": 0, "delta": text}]
+        if kind == "reasoning":
+            return events + [{"type": "response.reasoning_text.delta", **self._where(), "content_index": 0,
+                              "delta": text}]
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
+        self.open["logprobs"] += logprobs
+        return events + [{"type": "response.output_text.delta", **self._where(), "content_index": 0, "delta": text,
+                          "logprobs": logprobs}]
 
     def _call_events(self, call: dict) -> list[dict]:
         """A chat tool-call delta: one with an id opens a function_call item (closing the open one); arguments
@@ -752,10 +768,12 @@ class _ResponsesFormat(_ChatFormat):
                        "arguments": text}]
         else:
             message = item["kind"] == "message"
-            done = responses.message_item(item["id"], text, status) if message else \
+            logprobs = item["logprobs"] if self.num_logprobs is not None else None
+            done = responses.message_item(item["id"], text, status, logprobs) if message else \
                 responses.reasoning_item(item["id"], text)
             part = done["content"][0]
-            events = [{"type": f"response.{part['type']}.done", **where, "content_index": 0, "text": text},
+            events = [{"type": f"response.{part['type']}.done", **where, "content_index": 0, "text": text,
+                       **({"logprobs": item["logprobs"]} if message else {})},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
         self.output.append(done)
         return events + [{"type": "response.output_item.done", "output_index": item["index"], "item": done}]

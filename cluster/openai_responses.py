@@ -50,7 +50,10 @@ class ResponsesRequest(proto._Strict):
     previous_response_id: str | None = None
     background: bool | None = None
     reasoning: dict[str, Any] | None = None  # accepted: a reasoning model thinks as its template says
-    include: list[str] | None = None  # accepted; nothing extra is included
+    # what the response adds: "message.output_text.logprobs" (each output token's logprob, top_logprobs' most likely
+    # tokens with it); the others name items this server never makes (web search calls, files, encrypted reasoning)
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=proto.MAX_LOGPROBS)
     truncation: str | None = None
     # vLLM's extra sampling parameters
     seed: int | None = None
@@ -73,6 +76,14 @@ def parse(body: Any) -> ResponsesRequest:
         raise proto.bad_request(f"truncation={req.truncation!r} is not supported; an input longer than the context "
                                 "is a 400 (truncation 'disabled', the default)", "truncation")
     return req
+
+
+LOGPROBS = "message.output_text.logprobs"  # the include that asks for the output tokens' logprobs
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """The output text's logprobs: included (``include``), or their top tokens asked for (``top_logprobs``)."""
+    return LOGPROBS in (req.include or ()) or req.top_logprobs is not None
 
 
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -297,6 +308,8 @@ def chat_body(req: ResponsesRequest, prior: int = 0) -> dict[str, Any]:
     body["messages"] = _messages(req, prior)
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    if wants_logprobs(req):
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.tools:
         body["tools"] = _tools(req.tools)
     if req.tool_choice is not None:
@@ -321,15 +334,19 @@ def usage(chat: proto.Usage) -> dict[str, Any]:
             "total_tokens": chat.total_tokens, "speculative": chat.speculative.model_dump()}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A message item: "in_progress" (no content yet), "completed", or "incomplete" (its text cut by
-    ``max_output_tokens``)."""
+    ``max_output_tokens``); ``logprobs``: its text's tokens' (asked for: ``include``), None when not asked."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [] if status == "in_progress" else [output_text(text)]}
+            "content": [] if status == "in_progress" else [output_text(text, logprobs)]}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return part
 
 
 def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
@@ -343,14 +360,16 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
             "status": status}
 
 
-def output_items(message: proto.AssistantMessage, status: str = "completed") -> list[dict[str, Any]]:
-    """A chat message as output items: its reasoning, its text, then its calls; with ``status`` "incomplete" (the
-    output cut by ``max_output_tokens``) the last item, the one cut, says so."""
+def output_items(message: proto.AssistantMessage, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A chat message as output items: its reasoning, its text (with ``logprobs``, the output's, when asked for),
+    then its calls; with ``status`` "incomplete" (the output cut by ``max_output_tokens``) the last item, the one
+    cut, says so."""
     items = []
     if message.reasoning_content:
         items.append(reasoning_item(proto.new_id("rs"), message.reasoning_content))
     if message.content:
-        items.append(message_item(proto.new_id("msg"), message.content))
+        items.append(message_item(proto.new_id("msg"), message.content, logprobs=logprobs))
     items += [function_call_item(proto.new_id("fc"), c.id, c.function.name, c.function.arguments)
               for c in message.tool_calls]
     if items and "status" in items[-1]:

@@ -1415,6 +1415,42 @@ def test_responses_api_answers_and_streams_text():
     assert body["speculative"] == {"enabled": False}  # specray's per-request speculation, as a chat request's
 
 
+class LogprobEngineClient(ScriptedEngineClient):
+    """Answers ``pieces``, token i (id i) with logprob -1 - i and a runner-up (id 100 + i) of -9."""
+
+    async def _generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        from specray.outputs import Logprob
+
+        async for out in super()._generate(prompt_token_ids, params, prompt, req_id):
+            out.outputs[0].logprobs = [{t: Logprob(-1.0 - t, 1), 100 + t: Logprob(-9.0, 2)}
+                                       for t in out.outputs[0].token_ids]
+            yield out
+
+
+def test_responses_api_includes_logprobs_when_asked():
+    """include ["message.output_text.logprobs"] (or top_logprobs): the output text's tokens' logprobs, with the
+    most likely tokens at each, in the message's output_text, each text delta's with it when streamed; none
+    otherwise (the include was accepted and ignored)."""
+    with app_in_thread(LogprobEngineClient(["Hello", " wor", "ld"]), return_tokens_as_token_ids=True) as base:
+        body = {"input": "Say hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+        status, resp = http_json(base + "/v1/responses", body)
+        assert status == 200, resp
+        logprobs = resp["output"][0]["content"][0]["logprobs"]
+        assert [(e["token"], e["logprob"]) for e in logprobs] == [("token_id:0", -1.0), ("token_id:1", -2.0),
+                                                                  ("token_id:2", -3.0)], logprobs
+        assert [[t["logprob"] for t in e["top_logprobs"]] for e in logprobs] == [[-1, -9], [-2, -9], [-3, -9]]
+        events = responses_events(base, body)
+        assert [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"] == [[e] for e in logprobs]
+        done = next(e for e in events if e["type"] == "response.output_text.done")
+        assert done["logprobs"] == events[-1]["response"]["output"][0]["content"][0]["logprobs"] == logprobs
+        status, resp = http_json(base + "/v1/responses", {"input": "Say hi", "top_logprobs": 0})
+        assert [e["top_logprobs"] for e in resp["output"][0]["content"][0]["logprobs"]] == [[], [], []], resp
+        status, resp = http_json(base + "/v1/responses", {"input": "Say hi"})
+        assert "logprobs" not in resp["output"][0]["content"][0], resp
+        status, err = error_of(http_json(base + "/v1/responses", {"input": "Say hi", "top_logprobs": 21}))
+        assert (status, err["param"]) == (400, "top_logprobs")
+
+
 def test_responses_api_tool_calls_and_reasoning_become_output_items():
     """With the server's tool call parser, calls are function_call items (whole and streamed: added, arguments,
     done); with its reasoning parser, the thinking is a reasoning item before the message."""
