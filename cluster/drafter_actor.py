@@ -29,7 +29,7 @@ from specray.cluster.ray_env import ray
 from specray.cluster.remote_errors import raise_remote
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement, SpeculativeConfig
-from specray.drafters.base import DraftRequest, DrafterContext, Proposal, prepared
+from specray.drafters.base import DraftFailure, DraftRequest, DrafterContext, Proposal, prepared
 from specray.drafters.registry import drafter_class, tensor_parallel_size, uses_public_pool
 from specray.errors import StepError, WorkerDiedError
 from ray.exceptions import RayError, RayTaskError
@@ -53,13 +53,14 @@ class DrafterWorker:
         self.histories: dict[str, list[int]] = {}
         self.lock = threading.Lock()
         self.rank = 0
+        self.world_size = 1
         self.handlers: dict[str, object] = {}  # event name -> what applies it
 
     def setup(self, spec: SpeculativeConfig, ctx: DrafterContext, pool_name: str | None = None,
               rank: int = 0, world_size: int = 1, init_method: str | None = None) -> list[str]:
         """Build the drafter (a method, not ``__init__``, so that a user error comes back as a ValueError).
         Returns the optional hooks it has (of :data:`HOOKS`, and ``stats``)."""
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         if world_size > 1:  # a draft model split over ranks: every rank runs the same drafter on its shard
             ctx = replace(ctx, tp_group=self._join(ctx, rank, world_size, init_method))
         self.drafter = drafter_class(spec.method)(spec, ctx)
@@ -103,8 +104,35 @@ class DrafterWorker:
                 history.extend(tokens)
                 batch.append(DraftRequest(req_id, history, num_speculative_tokens, params,
                                           num_prompt_tokens=num_prompt))
-            proposals = self.drafter.propose(batch)
+            if self.world_size > 1:  # the ranks draft together (their collectives): one's failure is the actor's
+                proposals = self.drafter.propose(batch)
+            else:
+                proposals = self._isolated(batch)
             return proposals if self.rank == 0 else []
+
+    def _isolated(self, batch: list[DraftRequest]) -> list[Proposal | DraftFailure]:
+        """The drafter's proposals; when it raises for the batch (or answers with a list of the wrong length), each
+        request asked alone, a :class:`DraftFailure` for one that still raises: a drafter's failure on one request
+        (a user-provided drafter's bug) costs that request its drafts, not every request the actor."""
+        try:
+            proposals = list(self.drafter.propose(batch))
+            if len(proposals) == len(batch):
+                return proposals
+            logger.error("the drafter returned %d proposals for %d requests; asking for each alone",
+                         len(proposals), len(batch))
+        except Exception as err:  # one request's failure must not cost the others their drafts
+            logger.error("drafting for %d requests failed (%r); asking for each alone", len(batch), err)
+        return [self._alone(dreq) for dreq in batch]
+
+    def _alone(self, dreq: DraftRequest) -> Proposal | DraftFailure:
+        try:
+            proposals = list(self.drafter.propose([dreq]))
+        except Exception as err:  # this request's own failure: the engine stops drafting for it
+            logger.exception("drafting failed for request %s", dreq.req_id)
+            return DraftFailure(repr(err))
+        if len(proposals) != 1:
+            return DraftFailure(f"the drafter returned {len(proposals)} proposals for 1 request")
+        return proposals[0]
 
     def _finish(self, req_ids: list[str]) -> None:
         for rid in req_ids:

@@ -66,6 +66,16 @@ class Proposal:
         return DraftTree(list(self.token_ids), list(parents), self.scores, self.wants_node_tokens)
 
 
+@dataclass(slots=True)
+class DraftFailure:
+    """In place of a proposal: the drafter raised for this request, in a drafter actor (which asks each request of
+    a batch that raised alone, as the engine does in its own process); ``why`` says what it raised. The engine
+    then drafts nothing more for the request, as for a failure in its own process."""
+
+    why: str
+    token_ids: tuple = ()  # no drafts, for code that looks at a proposal's tokens
+
+
 @runtime_checkable
 class Drafter(Protocol):
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:

@@ -1273,6 +1273,33 @@ def test_drafter_worker_applies_events_before_drafting():
     assert proposal.token_ids[:4] == answer[1:5]
 
 
+class RaisesForBad:
+    """A user's drafter that raises whenever request "bad" is in the batch."""
+
+    def propose(self, batch):
+        if any(d.req_id == "bad" for d in batch):
+            raise RuntimeError("boom")
+        return [Proposal([7]) for _ in batch]
+
+    def finish(self, req_ids):
+        pass
+
+
+def test_drafter_worker_isolates_a_request_its_drafter_fails_on():
+    """A drafter that raises in the actor for one request: the batch is asked again request by request, the
+    others get their proposals and that one a DraftFailure (the engine then stops drafting for it alone), rather
+    than the actor being lost for every request."""
+    from specray.cluster.drafter_actor import DrafterWorker
+    from specray.drafters.base import DraftFailure
+
+    sp = SamplingParams(temperature=0.0)
+    worker = DrafterWorker()
+    worker.drafter, worker.handlers = RaisesForBad(), {}
+    good, bad = worker.propose([("good", 0, [1, 2], 2, sp, 1), ("bad", 0, [3, 4], 2, sp, 1)])
+    assert good == Proposal([7]) and bad == DraftFailure("RuntimeError('boom')")
+    assert worker.histories == {"good": [1, 2], "bad": [3, 4]}
+
+
 def test_llm_with_a_suffix_drafter_actor_gets_statistics_and_whole_outputs(tiny_llama_dir):
     """LLM(distributed_executor_backend="ray"): the suffix drafter runs in an actor. Its statistics are the
     engine's counts, and each finished output (its last step included) is in the actor's global tree, so the

@@ -326,7 +326,7 @@ class BadDrafter:
     """The engine's own drafter for every request but one, which gets a broken tree, an id outside the
     vocabulary, ids that are not integers (or None, or a tensor), a list in place of a Proposal, a q that is not a
     tensor of a row per draft with each draft within its width, a key that is no dict key or scores that are not
-    numbers, or (with the others) a list of the wrong length;
+    numbers, a drafter actor's word that it raised for it, or (with the others) a list of the wrong length;
     or that appends to that request's history (a user's drafter is handed a tuple: it raises); and whose
     ``finish`` raises for it."""
 
@@ -337,7 +337,7 @@ class BadDrafter:
         return getattr(self.inner, name)
 
     def propose(self, batch):
-        from specray.drafters.base import Proposal
+        from specray.drafters.base import DraftFailure, Proposal
 
         for d in batch:
             if d.req_id == self.bad_req and self.what == "mutate":  # its drafts appended to the history it is given
@@ -355,7 +355,7 @@ class BadDrafter:
                       "tensor": Proposal(torch.tensor([5, 6])), "probs_list": Proposal([5, 6], [[0.5, 0.5]] * 2),
                       "probs_rows": Proposal([5, 6], torch.full((1, 9), 1 / 9)),
                       "probs_narrow": Proposal([5, 9], torch.full((2, 9), 1 / 9)),
-                      "key": Proposal([5, 6], key=[2]),
+                      "key": Proposal([5, 6], key=[2]), "actor": DraftFailure("RuntimeError('boom')"),
                       "scores": Proposal([5, 6, 7], parents=[-1, 0, 0], scores=["high"] * 3)}[self.what]
         return out
 
@@ -367,7 +367,7 @@ class BadDrafter:
 
 # (one that raises: test_engine.py)
 @pytest.mark.parametrize("what", ["parents", "vocab", "floats", "list", "count", "none", "tensor", "probs_list",
-                                  "probs_rows", "probs_narrow", "mutate", "key", "scores"])
+                                  "probs_rows", "probs_narrow", "mutate", "key", "scores", "actor"])
 def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, plain_outputs, what, caplog):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_STATIC)
     engine, tok = llm.engine, llm.get_tokenizer()

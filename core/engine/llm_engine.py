@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
-from specray.drafters.base import DraftRequest, Drafter, Proposal, proposes_cheaply
+from specray.drafters.base import DraftFailure, DraftRequest, Drafter, Proposal, proposes_cheaply
 from specray.drafters.prediction import METHOD as PREDICTION, PredictionDrafter
 from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, resolved, start_step
@@ -819,7 +819,10 @@ class LLMEngine:
             logger.error("drafting for %d requests failed (%r); asking for each alone", len(batch), err)
             proposals = [self._propose_alone(dreq) for dreq in batch]
         for i, (dreq, proposal) in enumerate(zip(batch, proposals)):
-            problem = None if proposal is None else _check_proposal(proposal, self.vocab_size)
+            if isinstance(proposal, DraftFailure):  # it raised in a drafter actor (which logged its traceback)
+                problem = f"{proposal.why} in the drafter actor"
+            else:
+                problem = None if proposal is None else _check_proposal(proposal, self.vocab_size)
             if problem is not None:
                 self._stop_drafting(dreq.req_id, problem)
                 proposals[i] = None
