@@ -94,7 +94,10 @@ class DrafterWorker:
         nothing."""
         with self.lock:
             for name, *args in events:
-                self.handlers[name](*args)
+                try:
+                    self.handlers[name](*args)
+                except Exception:  # a hook's or finish's failure (a user-provided drafter's bug): as in the engine
+                    logger.exception("the drafter's %s failed; ignored", name)
             if not updates:
                 return []
             batch = []

@@ -1274,7 +1274,7 @@ def test_drafter_worker_applies_events_before_drafting():
 
 
 class RaisesForBad:
-    """A user's drafter that raises whenever request "bad" is in the batch."""
+    """A user's drafter that raises whenever request "bad" is in the batch, or among those it finishes."""
 
     def propose(self, batch):
         if any(d.req_id == "bad" for d in batch):
@@ -1282,22 +1282,25 @@ class RaisesForBad:
         return [Proposal([7]) for _ in batch]
 
     def finish(self, req_ids):
-        pass
+        if "bad" in req_ids:
+            raise RuntimeError("finish boom")
 
 
 def test_drafter_worker_isolates_a_request_its_drafter_fails_on():
     """A drafter that raises in the actor for one request: the batch is asked again request by request, the
     others get their proposals and that one a DraftFailure (the engine then stops drafting for it alone), rather
-    than the actor being lost for every request."""
+    than the actor being lost for every request; its finish raising is logged and ignored, as in the engine."""
     from specray.cluster.drafter_actor import DrafterWorker
     from specray.drafters.base import DraftFailure
 
     sp = SamplingParams(temperature=0.0)
     worker = DrafterWorker()
-    worker.drafter, worker.handlers = RaisesForBad(), {}
+    worker.drafter, worker.handlers = RaisesForBad(), {"finish": worker._finish}
     good, bad = worker.propose([("good", 0, [1, 2], 2, sp, 1), ("bad", 0, [3, 4], 2, sp, 1)])
     assert good == Proposal([7]) and bad == DraftFailure("RuntimeError('boom')")
     assert worker.histories == {"good": [1, 2], "bad": [3, 4]}
+    assert worker.propose([("good", 2, [3], 2, sp, 1)], [("finish", ["bad"])]) == [Proposal([7])]
+    assert worker.histories == {"good": [1, 2, 3]}
 
 
 def test_llm_with_a_suffix_drafter_actor_gets_statistics_and_whole_outputs(tiny_llama_dir):

@@ -326,15 +326,22 @@ class BadDrafter:
     """The engine's own drafter for every request but one, which gets a broken tree, an id outside the
     vocabulary, ids that are not integers (or None, or a tensor), a list in place of a Proposal, a q that is not a
     tensor of a row per draft with each draft within its width, a key that is no dict key or scores that are not
-    numbers, a drafter actor's word that it raised for it, or (with the others) a list of the wrong length;
-    or that appends to that request's history (a user's drafter is handed a tuple: it raises); and whose
-    ``finish`` raises for it."""
+    numbers, a drafter actor's word that it raised for it, or (with the others) a list of the wrong length; or
+    that appends to that request's history (a user's drafter is handed a tuple: it raises), or whose
+    ``observe_verification`` raises for it; and whose ``finish`` raises for it."""
 
     def __init__(self, inner, bad_req: str, what: str):
         self.inner, self.bad_req, self.what, self.bad_calls = inner, bad_req, what, 0
 
     def __getattr__(self, name):  # the rest of the drafter protocol: the engine's own drafter's
+        if name == "observe_verification" and self.what == "observe":
+            return self.observe_verification_
         return getattr(self.inner, name)
+
+    def observe_verification_(self, req_id, num_drafted, num_accepted):
+        if req_id == self.bad_req:
+            self.bad_calls += 1
+            raise RuntimeError("observe_verification failed on purpose")
 
     def propose(self, batch):
         from specray.drafters.base import DraftFailure, Proposal
@@ -345,7 +352,7 @@ class BadDrafter:
                 d.token_ids.append(5)
         out = self.inner.propose(batch)
         for i, d in enumerate(batch):
-            if d.req_id != self.bad_req or self.what == "mutate":
+            if d.req_id != self.bad_req or self.what in ("mutate", "observe"):
                 continue
             self.bad_calls += 1
             if self.what == "count":
@@ -367,7 +374,7 @@ class BadDrafter:
 
 # (one that raises: test_engine.py)
 @pytest.mark.parametrize("what", ["parents", "vocab", "floats", "list", "count", "none", "tensor", "probs_list",
-                                  "probs_rows", "probs_narrow", "mutate", "key", "scores", "actor"])
+                                  "probs_rows", "probs_narrow", "mutate", "key", "scores", "actor", "observe"])
 def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, plain_outputs, what, caplog):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM_STATIC)
     engine, tok = llm.engine, llm.get_tokenizer()

@@ -861,6 +861,15 @@ class LLMEngine:
         self._undrafted.add(req_id)
         self.drafting_failures += 1
 
+    def _tell(self, hook, req_id: str, *args) -> None:
+        """Call one of the drafter's optional hooks about a request; one that raises (a user-provided drafter's
+        bug) costs the request its drafts, as a ``propose`` that raises for it does, not the step."""
+        try:
+            hook(req_id, *args)
+        except Exception as err:
+            if req_id not in self._undrafted:
+                self._stop_drafting(req_id, f"its {getattr(hook, '__name__', 'hook')} raised {err!r}", err)
+
     def _ask(self, request: Request, batch_size: int, off_critical_path: bool, cheap: bool) -> int:
         """How many drafts to ask the drafter for: the policy's K, or for a cheap drafter the most allowed."""
         if not cheap:
@@ -933,7 +942,7 @@ class LLMEngine:
             if chunk.sample and chunk.num_draft_tokens and chunk.req_id not in self._forced:
                 if told is not None and (self.worker_method is None or
                                          self._draft_keys.get(chunk.req_id) != self.worker_method):
-                    told(chunk.req_id, chunk.num_draft_tokens, max(len(kept) - 1, 0))  # its own drafts only
+                    self._tell(told, chunk.req_id, chunk.num_draft_tokens, max(len(kept) - 1, 0))  # its own drafts
                 request = self.scheduler.get_request(chunk.req_id)
                 if request is None:
                     continue
@@ -962,7 +971,7 @@ class LLMEngine:
             in_order = [-1] * (kept[-1] + 1)
             for node, token in zip(kept, tokens):
                 in_order[node] = token
-            told(chunk.req_id, in_order)
+            self._tell(told, chunk.req_id, in_order)
 
     def _verified_tree(self, chunk: ScheduledChunk) -> DraftTree:
         """The tree a chunk verified, with the drafter's scores when the scheduler verified it whole."""
