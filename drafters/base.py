@@ -100,7 +100,12 @@ def prepared(drafter_cls, spec, ctx: DrafterContext) -> DrafterContext:
     prepare = getattr(drafter_cls, "prepare", None)
     if prepare is None or ctx.prepared:
         return ctx
-    return replace(prepare(spec, ctx), prepared=True)
+    made = prepare(spec, ctx)
+    if not isinstance(made, DrafterContext):
+        raise ValueError(f"speculative_config.method={spec.method!r}: {drafter_cls.__name__}.prepare returned "
+                         f"{type(made).__name__}; it must return the DrafterContext the drafter is built from "
+                         "(ctx itself, or dataclasses.replace(ctx, ...))")
+    return replace(made, prepared=True)
 
 
 def proposes_cheaply(drafter) -> bool:

@@ -14,7 +14,7 @@ has none); ``docs/user_drafter.md`` has an example.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from functools import lru_cache
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -126,6 +126,10 @@ def _user_entry(method: str) -> DrafterEntry:
         raise ValueError(f"speculative_config.method={method!r}: {path!r} is not a drafter class (missing "
                          f"{missing or 'a class'}); it must implement specray.drafters.base.Drafter "
                          "(propose, finish, shutdown) and take (spec, ctx)")
+    options = getattr(cls, "Options", None)
+    if options is not None and not (isinstance(options, type) and is_dataclass(options)):
+        raise ValueError(f"speculative_config.method={method!r}: {name}.Options={options!r:.60} is not a dataclass; "
+                         "declare the drafter's own speculative_config keys as a @dataclass's fields (or no Options)")
     try:
         signature(cls).bind(None, None)
     except TypeError as err:

@@ -320,6 +320,15 @@ def test_user_drafter_options_are_checked(tiny_llama_dir, tmp_path, monkeypatch)
                                               "    propose = finish = shutdown = __init__\n")
     with pytest.raises(ValueError, match=r"cannot be built as NoArgs\(spec, ctx\)"):
         LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config={"method": "my_drafters3:NoArgs"})
+    # Options that are not a dataclass, a prepare that returns no context: said so, not a TypeError of dataclasses'
+    (tmp_path / "my_drafters4.py").write_text(
+        "from my_drafters2 import LastTokenDrafter\n\n"
+        "class DictOptions(LastTokenDrafter):\n    Options = dict\n\n"
+        "class Unprepared(LastTokenDrafter):\n    @classmethod\n    def prepare(cls, spec, ctx):\n        pass\n")
+    with pytest.raises(ValueError, match=r"DictOptions.Options=<class 'dict'> is not a dataclass"):
+        LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config={"method": "my_drafters4:DictOptions"})
+    with pytest.raises(ValueError, match=r"Unprepared.prepare returned NoneType; it must return the DrafterContext"):
+        LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config={"method": "my_drafters4:Unprepared"})
 
 
 class BadDrafter:
