@@ -287,8 +287,8 @@ _RENAMED = [(re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
             (re.compile(r"\bmessages\b(?:[.\[]\d+\]?)?"), "input"),
             (re.compile(r"\b(tools[.\[]\d+\]?)\.function\b"), r"\1"),
             (re.compile(r"\btool_choice\.function\b"), "tool_choice"),
-            (re.compile(r"\{'type': 'function', 'function': \{'name': \.\.\.\}\}"),
-             "{'type': 'function', 'name': ...}"),
+            # a chat tool's or tool choice's shape, {'type': 'function', 'function': {'name': ...}}: flat here
+            (re.compile(r"\{'type': 'function', 'function': \{(.*?)\}\}"), r"{'type': 'function', \1}"),
             (re.compile(r"\breasoning_effort\b"), "reasoning.effort")]
 
 

@@ -1631,6 +1631,9 @@ def test_responses_api_errors_name_its_own_parameters():
             ({"input": "x", "max_tokens": 5}, "max_tokens", "not a supported parameter"),  # a chat field
             ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
               "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", "names no function"),
+            ({"input": "x", "tool_choice": "required"}, "tool_choice",  # the tools' shape of this API, flat
+             "as tools=[{'type': 'function', 'name': ..., 'parameters': {...}}], or omit"),
+            ({"input": "x", "tool_choice": "any"}, "tool_choice", "or {'type': 'function', 'name': ...} to call"),
         ]
         for body, param, words in cases:
             status, resp = http_json(base + "/v1/responses", body)
