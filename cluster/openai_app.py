@@ -708,7 +708,12 @@ class _ResponsesFormat(_ChatFormat):
                           "response": self._finished(self._response(status, responses.usage(_usage(choices))))}]
 
     def stream_error(self, err: proto.OpenAIError) -> list[dict]:
-        return [{"type": "error", **{k: v for k, v in err.body()["error"].items() if k != "type"}}]
+        """The API's error event, then ``response.failed`` (its error, the items done before it): the stream
+        ends on a response event, as one that completes does."""
+        error = {k: v for k, v in err.body()["error"].items() if k != "type"}
+        failed = self._response("failed")
+        failed["error"] = {"code": error["code"] or "server_error", "message": error["message"]}
+        return [{"type": "error", **error}, {"type": "response.failed", "response": failed}]
 
     def _where(self) -> dict:
         return {"item_id": self.open["id"], "output_index": self.open["index"]}

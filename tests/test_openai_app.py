@@ -1389,6 +1389,12 @@ def test_responses_api_answers_and_streams_text():
         assert events[-1]["type"] == "response.incomplete"
         assert events[-2]["type"] == "response.output_item.done" and events[-2]["item"]["status"] == "incomplete"
         assert events[-1]["response"]["output"] == [events[-2]["item"]]
+    with app_in_thread(FakeEngineClient(tokens=3, fail_after=1)) as base:  # the engine fails it mid-stream
+        events = responses_events(base, {"input": "x"})
+        assert [e["type"] for e in events[-3:]] == ["response.output_text.delta", "error", "response.failed"]
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == events[-2]["code"] == "internal_error"
+        assert "worker died" in failed["error"]["message"] and failed["output"] == []
     # the chat request a Responses request becomes
     body = chat_body(ResponsesRequest.model_validate({
         "input": [{"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
