@@ -50,8 +50,9 @@ class ResponsesRequest(proto._Strict):
     previous_response_id: str | None = None
     background: bool | None = None
     reasoning: dict[str, Any] | None = None  # accepted: a reasoning model thinks as its template says
-    # what the response adds: "message.output_text.logprobs" (each output token's logprob, top_logprobs' most likely
-    # tokens with it); the others name items this server never makes (web search calls, files, encrypted reasoning)
+    # what the response adds (INCLUDABLE): "message.output_text.logprobs" (each output token's logprob,
+    # top_logprobs' most likely tokens with it); the others name what this server never makes (web search calls,
+    # files, encrypted reasoning)
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=proto.MAX_LOGPROBS)
     truncation: str | None = None
@@ -67,8 +68,18 @@ class ResponsesRequest(proto._Strict):
     speculative: dict[str, Any] | None = None  # specray's per-request speculation, as on the chat route (checked there)
 
 
+# OpenAI's values of ``include``: the output's logprobs, or what items this server never makes would carry
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
+              "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
+
+
 def parse(body: Any) -> ResponsesRequest:
     req = proto.parse_request(ResponsesRequest, body)
+    for i, value in enumerate(req.include or ()):
+        if value not in INCLUDABLE:
+            raise proto.bad_request(f"include[{i}]={value!r:.80} is not one of {', '.join(map(repr, INCLUDABLE))}",
+                                    f"include.{i}")
     if req.background:
         raise proto.bad_request("background=true is not supported: responses are answered (or streamed) while the "
                                 "request is open; omit it", "background")

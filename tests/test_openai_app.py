@@ -1640,6 +1640,8 @@ def test_responses_api_errors_name_its_own_parameters():
             ({"input": "x", "tool_choice": "required"}, "tool_choice",  # the tools' shape of this API, flat
              "as tools=[{'type': 'function', 'name': ..., 'parameters': {...}}], or omit"),
             ({"input": "x", "tool_choice": "any"}, "tool_choice", "or {'type': 'function', 'name': ...} to call"),
+            ({"input": "x", "include": ["reasoning.encrypted_content", "logprobs"]}, "include.1",
+             "include[1]='logprobs' is not one of 'message.output_text.logprobs'"),
         ]
         for body, param, words in cases:
             status, resp = http_json(base + "/v1/responses", body)
