@@ -38,7 +38,7 @@ from specray.chat import check_template_text, render_chat, split_media
 from specray.cluster import openai_protocol as proto
 from specray.cluster import openai_responses as responses
 from specray.cluster.metrics import ServerMetrics, engine_state
-from specray.cluster.reasoning import ReasoningSplitter, starts_thinking, tags_are_special
+from specray.cluster.reasoning import ReasoningSplitter, reasoning_tokens, starts_thinking, tags_are_special
 from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, RequiredArrayStreamer, ToolCallStreamer,
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
@@ -675,12 +675,19 @@ class _ResponsesFormat(_ChatFormat):
         logprobs = self._logprobs(choice, start, end)
         return None if logprobs is None else [entry.model_dump() for entry in logprobs.content or ()]
 
+    def _reasoning_tokens(self, choice: _Choice, reasoning: str | None) -> int:
+        """How many of the output's tokens are its thinking (a reasoning parser's; usage's reasoning_tokens)."""
+        if self.reasoning_parser is None:
+            return 0
+        return reasoning_tokens(self.logprob_fmt.tokenizer, choice.output.token_ids, reasoning,
+                                starts_thinking(self.reasoning_parser, choice.prompt.text))
+
     def response(self, choices: list[_Choice], usage: proto.Usage) -> dict:
         message, _ = self._message(choices[0])
         status = responses.status_of(choices[0].output.finish_reason)
         logprobs = self._logprob_entries(choices[0], 0, len(choices[0].output.token_ids))
-        return self._finished(self._response(status, responses.usage(usage),
-                                             responses.output_items(message, status, logprobs)))
+        usage_ = responses.usage(usage, self._reasoning_tokens(choices[0], message.reasoning_content or None))
+        return self._finished(self._response(status, usage_, responses.output_items(message, status, logprobs)))
 
     def sse(self, event: dict) -> str:
         event = {"type": event["type"], "sequence_number": self.sequence, **event}
@@ -704,8 +711,10 @@ class _ResponsesFormat(_ChatFormat):
     def stream_closing(self, choices: list[_Choice], include_usage: bool) -> list[dict]:
         status = responses.status_of(choices[0].output.finish_reason)
         closed = self._close(status)  # the item open when the output ends is the one a cut cuts
-        return closed + [{"type": f"response.{status}",
-                          "response": self._finished(self._response(status, responses.usage(_usage(choices))))}]
+        thought = "".join(item["content"][0]["text"] for item in self.output if item["type"] == "reasoning")
+        reasoning = thought if any(item["type"] == "reasoning" for item in self.output) else None
+        usage = responses.usage(_usage(choices), self._reasoning_tokens(choices[0], reasoning))
+        return closed + [{"type": f"response.{status}", "response": self._finished(self._response(status, usage))}]
 
     def stream_error(self, err: proto.OpenAIError) -> list[dict]:
         """The API's error event, then ``response.failed`` (its error, the items done before it): the stream

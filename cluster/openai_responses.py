@@ -337,11 +337,12 @@ def chat_body(req: ResponsesRequest, prior: int = 0) -> dict[str, Any]:
 
 # ---- the response --------------------------------------------------------------------------------------
 
-def usage(chat: proto.Usage) -> dict[str, Any]:
-    """A chat usage in the Responses API's names (the speculative figures kept, as on the other routes)."""
+def usage(chat: proto.Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """A chat usage in the Responses API's names (the speculative figures kept, as on the other routes), with the
+    output's thinking tokens (a reasoning parser's)."""
     return {"input_tokens": chat.prompt_tokens,
             "input_tokens_details": {"cached_tokens": chat.prompt_tokens_details.cached_tokens},
-            "output_tokens": chat.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat.total_tokens, "speculative": chat.speculative.model_dump()}
 
 

@@ -34,6 +34,23 @@ def tags_are_special(tokenizer) -> bool:
     return False
 
 
+def reasoning_tokens(tokenizer, token_ids: list[int], reasoning: str | None, thinking_first: bool) -> int:
+    """How many of an output's tokens are its thinking (the tags' included; ``reasoning``: its text, None when it
+    had none): counted by the tags' token ids where each tag is one token of ``tokenizer`` (Qwen3's, DeepSeek-R1's),
+    else the reasoning's text encoded again (a close count, at most the output's). ``thinking_first``: the output
+    starts thinking."""
+    if reasoning is None:
+        return 0
+    to_id = getattr(tokenizer, "convert_tokens_to_ids", None)
+    tags = [] if to_id is None else [to_id(tag) for tag in (BEGIN, END)]
+    if tags and all(isinstance(t, int) and t != getattr(tokenizer, "unk_token_id", None) for t in tags):
+        begin, end = tags
+        start = 0 if thinking_first else next((i for i, t in enumerate(token_ids) if t == begin), None)
+        if start is not None:
+            return next((i + 1 for i in range(start, len(token_ids)) if token_ids[i] == end), len(token_ids)) - start
+    return min(len(tokenizer.encode(reasoning, add_special_tokens=False)), len(token_ids))
+
+
 def starts_thinking(parser: str, prompt_text: str | None) -> bool:
     """Whether a response to ``prompt_text`` (the rendered chat) starts inside the thinking phase."""
     if parser == "deepseek_r1":

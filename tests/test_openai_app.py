@@ -146,6 +146,19 @@ def test_reasoning_parser_starts_from_the_prompt_for_qwen3():
     assert starts_thinking("deepseek_r1", "")
     splitter = ReasoningSplitter(thinking=True)
     assert [splitter.push(t) for t in ["a</", "b", "</think", ">c"]] == [("a", ""), ("</b", ""), ("", ""), ("", "c")]
+    # an output's thinking tokens, by the tags' ids where each is one token: from <think> (or the start) to </think>
+    from specray.cluster.reasoning import reasoning_tokens
+
+    class Tags:
+        unk_token_id = 0
+
+        def convert_tokens_to_ids(self, token):
+            return {"<think>": 7, "</think>": 8}[token]
+
+    assert reasoning_tokens(Tags(), [5, 7, 1, 2, 8, 3], "ab", thinking_first=False) == 4
+    assert reasoning_tokens(Tags(), [1, 2, 8, 3], "ab", thinking_first=True) == 3
+    assert reasoning_tokens(Tags(), [1, 2], "ab", thinking_first=True) == 2  # never ended: all of it
+    assert reasoning_tokens(Tags(), [1, 2], None, thinking_first=True) == 0
     with pytest.raises(ValueError, match="reasoning_parser='r1'"):
         check_reasoning_parser("r1")
 
@@ -1480,9 +1493,12 @@ def test_responses_api_tool_calls_and_reasoning_become_output_items():
         status, resp = http_json(base + "/v1/responses", {"input": "2+2?"})
         assert [i["type"] for i in resp["output"]] == ["reasoning", "message"], resp
         assert resp["output"][0]["content"][0]["text"] == "Hmm." and resp["output"][1]["content"][0]["text"] == "Four."
+        # the thinking's tokens (this tokenizer holds no tags: its text encoded again, at most the output's 3)
+        assert resp["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}, resp["usage"]
         events = responses_events(base, {"input": "2+2?"})
         assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Hmm."
         assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+        assert events[-1]["response"]["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
 
 
 class RoleTemplate(FakeTokenizer):
