@@ -239,12 +239,14 @@ def pad_drafts(
 
 
 def _usable_q(q: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """q [B, K, V], draft_ids [B, K] -> q with each row that is no distribution its draft was drawn from (a value
-    not finite or negative, or no mass on the draft: a drafter's bug) one-hot on its draft, which verifies any
-    draft losslessly (a q of 0 on the draft would accept it always). On the device, no sync."""
+    """q [B, K, V] (pad_drafts' own, changed in place), draft_ids [B, K] -> q with each row that is no
+    distribution its draft was drawn from (a value not finite or negative, or no mass on the draft: a drafter's bug)
+    one-hot on its draft, which verifies any draft losslessly (a q of 0 on the draft would accept it always). On the
+    device, no sync; row reductions and in-place passes (a where over q would allocate and fill two more)."""
     x = draft_ids[..., None]
-    usable = (q.gather(-1, x) > 0) & (torch.isfinite(q) & (q >= 0)).all(dim=-1, keepdim=True)  # [B, K, 1]
-    return torch.where(usable, q, torch.zeros_like(q).scatter_(-1, x, 1.0))
+    usable = (q.gather(-1, x) > 0) & (q.amin(-1, keepdim=True) >= 0) & torch.isfinite(q.sum(-1, keepdim=True))
+    # a bad row: zeros (its NaN and inf too: they turn NaN when multiplied by 0), then 1 on the draft
+    return q.mul_(usable).nan_to_num_(0.0, 0.0, 0.0).scatter_add_(-1, x, (~usable).to(q.dtype))
 
 
 class TargetLogprobs(NamedTuple):
