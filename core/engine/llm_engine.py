@@ -9,6 +9,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from numbers import Real
 from dataclasses import dataclass, field
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
@@ -1154,7 +1155,7 @@ def _check_proposal(proposal: Proposal, vocab_size: int) -> str | None:
             return problem
     try:
         hash(proposal.key)
-        numbers = proposal.scores is None or isinstance(sum(proposal.scores), (int, float))
+        numbers = proposal.scores is None or isinstance(sum(proposal.scores), Real)  # numpy's too
     except TypeError:
         numbers = False
     if not numbers:  # the draft policy keys its evidence by the key and prices the drafts by the scores
