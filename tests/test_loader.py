@@ -698,20 +698,26 @@ def test_a_q4_gguf_runs_its_linears_in_4_bits(tiny_llama_256, tmp_path, gguf_cac
     ("tensor", r"is truncated or corrupt: its tensor 'token_embd.weight' ends at byte \d+, past the file's \d+ bytes"),
     ("header", r"is truncated or corrupt: gguf-py cannot read it"),
     ("empty", r"is truncated or corrupt: gguf-py cannot read it \(cannot mmap an empty file\)"),
-], ids=["tensor", "header", "empty"])
+    ("type", r"stores its tensor 'output.weight' as Q8_K, a type specray cannot read \(gguf-py cannot dequantize it\);"
+             r" the types it reads: \['BF16', .*'Q8_0'.*\]. Convert or quantize"),
+], ids=["tensor", "header", "empty", "type"])
 def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path, gguf_cache, cut, match):
     """A GGUF cut short (a download stopped part way) or not a GGUF at all is a ValueError naming the file (and the
-    first tensor past its end), not gguf-py's numpy reshape error; nothing is left in the cache."""
+    first tensor past its end), not gguf-py's numpy reshape error; so is one holding a type gguf-py cannot dequantize
+    (Q8_K), up front, not gguf-py's NotImplementedError part-way through; nothing is left in the cache."""
     import gguf
     import numpy as np
 
     path = tmp_path / f"cut-{cut}.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tensor("token_embd.weight", np.ones((64, 32), np.float32))
+    if cut == "type":  # one Q8_K super-block per row (292 bytes: 256 values)
+        w.add_tensor("output.weight", np.zeros((4, 292), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_K)
     _write_out(w)
     data = path.read_bytes()
-    path.write_bytes({"tensor": data[:-100], "header": data[:30], "empty": b""}[cut])
-    with pytest.raises(ValueError, match=re.escape(repr(str(path))) + " " + match + ".*download or convert"):
+    path.write_bytes({"tensor": data[:-100], "header": data[:30], "empty": b"", "type": data}[cut])
+    end = " the model again" if cut == "type" else ".*download or convert"
+    with pytest.raises(ValueError, match=re.escape(repr(str(path))) + " " + match + end):
         resolve_model(str(path))
     assert not any((gguf_cache / "gguf").glob(f"cut-{cut}-*"))
 

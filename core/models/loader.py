@@ -881,6 +881,31 @@ def _check_gguf_architecture(gguf: Path, arch: str | None) -> None:
             "that layout first")
 
 
+def _check_gguf_tensor_types(gguf: Path, tensors: list) -> None:
+    """ValueError naming a tensor whose llama.cpp type gguf-py cannot dequantize (Q8_K, Q8_1, the integer and F64
+    types: none a converter writes for a model's weights), up front, where the conversion would fail part-way on
+    gguf-py's bare NotImplementedError."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    def readable(kind) -> bool:
+        try:
+            dequantize(np.zeros(GGML_QUANT_SIZES[kind][1], dtype=np.uint8), kind)  # one block
+        except NotImplementedError:
+            return False
+        return True
+
+    known: dict[Any, bool] = {}
+    for t in tensors:
+        if not known.setdefault(t.tensor_type, readable(t.tensor_type)):
+            kinds = sorted(k.name for k in GGMLQuantizationType if k in GGML_QUANT_SIZES and readable(k))
+            raise ValueError(
+                f"GGUF {str(gguf)!r} stores its tensor {t.name!r} as {t.tensor_type.name}, a type specray cannot "
+                f"read (gguf-py cannot dequantize it); the types it reads: {kinds}. Convert or quantize the model "
+                "again into one of those (llama.cpp's llama-quantize, e.g. Q4_K_M or Q8_0)")
+
+
 def _fix_gemma3_gguf_config(config, meta: dict[str, Any], gguf: Path) -> None:
     """Set what transformers' Gemma 3 GGUF mapping leaves at its defaults although llama.cpp (whose files these
     are) derives it otherwise: the query scale, ``query_pre_attn_scalar`` (llama.cpp: ``head_dim``, or
@@ -1274,6 +1299,7 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
         meta = _gguf_metadata(gguf)
         arch = meta.get("general.architecture")
         _check_gguf_architecture(gguf, arch)
+        _check_gguf_tensor_types(gguf, parsed.tensors)
         mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp's Mixtral: a llama with experts
         if mixtral:
             _check_mixtral_layout(gguf)
