@@ -722,6 +722,20 @@ def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path, gguf_c
     assert not any((gguf_cache / "gguf").glob(f"cut-{cut}-*"))
 
 
+def test_a_gguf_with_blocks_past_its_block_count_is_refused(tiny_llama_dir, tmp_path, gguf_cache):
+    """A GGUF whose ``block_count`` is below the blocks its tensors hold is refused naming both, where transformers'
+    mapping left the extra blocks' tensors out and the model loaded without those layers."""
+    import gguf
+
+    path = write_gguf(tiny_llama_dir, tmp_path / "blocks.gguf", "llama")
+    field = gguf.GGUFReader(str(path), "r+").fields["llama.block_count"]
+    field.parts[field.data[0]][0] = 1  # the file holds blk.0 and blk.1
+    field.parts[field.data[0]].flush()
+    with pytest.raises(ValueError, match=r"has llama.block_count=1 but holds tensors of blocks up to blk.1"):
+        resolve_model(str(path))
+    assert not any((gguf_cache / "gguf").glob("blocks-*"))
+
+
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------
 
 def _write_out(w) -> None:

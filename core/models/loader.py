@@ -1341,6 +1341,7 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool,
         _fix_gguf_rope(config, meta, gguf, arch)
     get_model_class(config)  # fail early on an architecture we do not serve
     writer.layers = config.num_hidden_layers
+    _check_gguf_blocks(gguf, arch, config.num_hidden_layers)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
     # read below, not by transformers: a Mixtral's experts (it maps none), GPT-OSS's (it maps them wrongly) and
@@ -1361,6 +1362,19 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool,
     if arch == "mamba" and meta.get("mamba.ssm.dt_b_c_rms"):  # llama.cpp's Falcon-Mamba: a Mamba whose B, C and dt
         config = _falcon_mamba_config(config)  # are normed, which transformers' mapping reads as a plain Mamba
     return config
+
+
+def _check_gguf_blocks(gguf: Path, arch: str, layers: int) -> None:
+    """ValueError where the file holds a block's tensors past its ``{arch}.block_count``: transformers' mapping
+    leaves them out, and the model would load without those layers and compute something else."""
+    from gguf import GGUFReader
+
+    blocks = sorted({int(t.name.split(".")[1]) for t in GGUFReader(str(gguf)).tensors
+                     if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()})
+    if blocks and blocks[-1] >= layers:
+        raise ValueError(f"GGUF {str(gguf)!r} has {arch}.block_count={layers} but holds tensors of blocks up to "
+                         f"blk.{blocks[-1]}: its metadata does not describe its tensors (a file edited or written "
+                         "by hand?); fix block_count to the number of blocks, or convert the model again")
 
 
 def _transformers_gguf_tensors(gguf: Path, arch: str, names: nn.Module, hf_model: nn.Module, expected: set[str],
