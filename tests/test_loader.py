@@ -722,18 +722,32 @@ def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path, gguf_c
     assert not any((gguf_cache / "gguf").glob(f"cut-{cut}-*"))
 
 
-def test_a_gguf_with_blocks_past_its_block_count_is_refused(tiny_llama_dir, tmp_path, gguf_cache):
+@pytest.mark.parametrize("case, match", [
+    ("blocks", r"has llama.block_count=1 but holds tensors of blocks up to blk.1"),
+    ("tokens", r"has no tokenizer.ggml.tokens, which transformers needs to build its 'gpt2' tokenizer"),
+    ("merges", r"has no tokenizer.ggml.scores, which transformers needs to build its 'gpt2' tokenizer from the file "
+               r"\(tokenizer.ggml.tokens, and merges or scores\)"),
+    ("model", r"has no tokenizer.ggml.model \(nor, then, a vocabulary transformers can build a tokenizer from\)"),
+], ids=["blocks", "tokens", "merges", "model"])
+def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, tmp_path, gguf_cache, case, match):
     """A GGUF whose ``block_count`` is below the blocks its tensors hold is refused naming both, where transformers'
-    mapping left the extra blocks' tensors out and the model loaded without those layers."""
+    mapping left the extra blocks' tensors out and the model loaded without those layers; one without its
+    vocabulary's tokens, or with neither merges nor scores, is refused naming the field, not transformers'
+    KeyError."""
     import gguf
 
-    path = write_gguf(tiny_llama_dir, tmp_path / "blocks.gguf", "llama")
-    field = gguf.GGUFReader(str(path), "r+").fields["llama.block_count"]
-    field.parts[field.data[0]][0] = 1  # the file holds blk.0 and blk.1
-    field.parts[field.data[0]].flush()
-    with pytest.raises(ValueError, match=r"has llama.block_count=1 but holds tensors of blocks up to blk.1"):
+    path = write_gguf(tiny_llama_dir, tmp_path / f"{case}.gguf", "llama")
+    fields = gguf.GGUFReader(str(path), "r+").fields
+    if case == "blocks":
+        field = fields["llama.block_count"]
+        field.parts[field.data[0]][0] = 1  # the file holds blk.0 and blk.1
+    else:  # the key renamed in place (the same length): the field gone
+        field = fields[f"tokenizer.ggml.{case}"]
+        field.parts[1][-1] = ord("X")
+    field.parts[1].flush()
+    with pytest.raises(ValueError, match=match):
         resolve_model(str(path))
-    assert not any((gguf_cache / "gguf").glob("blocks-*"))
+    assert not any((gguf_cache / "gguf").glob(f"{case}-*"))
 
 
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------

@@ -1169,7 +1169,17 @@ def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
     from transformers import AutoTokenizer, TokenizersBackend
 
     tokenizer_class = TokenizersBackend if meta.get("general.architecture") in _GGUF_READERS else AutoTokenizer
-    tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    if meta.get("tokenizer.ggml.model") is None:
+        raise ValueError(f"GGUF {str(gguf)!r} has no tokenizer.ggml.model (nor, then, a vocabulary transformers can "
+                         "build a tokenizer from): pass a GGUF converted with its tokenizer")
+    try:
+        tokenizer = tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except KeyError as err:  # transformers' reading of the tokenizer.ggml.* fields looks each up by name
+        raise ValueError(
+            f"GGUF {str(gguf)!r} has no tokenizer.ggml.{err.args[0]}, which transformers needs to build its "
+            f"{meta.get('tokenizer.ggml.model')!r} tokenizer from the file (tokenizer.ggml.tokens, and merges or "
+            "scores); its vocabulary is incomplete: pass a GGUF converted with its tokenizer") from None
+    tokenizer.save_pretrained(out)
     if meta.get("tokenizer.ggml.model") == "gpt2":
         path = out / "tokenizer_config.json"
         tokenizer_config = json.loads(path.read_text())
