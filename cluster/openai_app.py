@@ -1489,7 +1489,10 @@ class OpenAIServing:
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise proto.bad_request("this model's tokenizer has no chat template; use /v1/completions instead, or "
                                     "start the server with --chat-template FILE", "messages")
-        messages, media = split_media([m.as_template_dict() for m in req.messages])
+        try:
+            messages, media = split_media([m.as_template_dict() for m in req.messages])
+        except ValueError as err:  # a media part without its data or URL: it names the part
+            raise proto.bad_request(str(err), "messages") from None
         processor = getattr(self.client, "image_processor", None)
         if any(media.values()) and processor is None:
             raise proto.bad_request(TEXT_ONLY, "messages")

@@ -87,8 +87,9 @@ def from_validation_error(err: ValidationError) -> OpenAIError:
     (``messages.0.content`` for nested ones; the union-member tags pydantic puts in a location, such as
     ``stop.str``, are dropped)."""
     errors = err.errors()
-    # in a union (content: str | list of parts) our own validators' errors say more than "not a string"
-    first = next((e for e in errors if e["type"] == "value_error"), errors[0])
+    # in a union (content: str | list of parts) our own validators' errors say more than "not a string", and so
+    # does the deepest error (an input_audio part's missing format) more than the shallow branch's
+    first = next((e for e in errors if e["type"] == "value_error"), None) or max(errors, key=lambda e: len(e["loc"]))
     parts = [str(p) for p in first["loc"] if isinstance(p, int) or not _UNION_TAG.search(p)]
     param = ".".join(parts) or None
     if first["type"] == "extra_forbidden":

@@ -699,6 +699,25 @@ def test_deeply_nested_bodies_are_400_and_leave_the_server_serving():
         assert http_json(url, chat)[0] == 200
 
 
+def test_a_media_part_without_its_data_is_a_400_naming_the_part():
+    """An input_audio part with empty data is a 400 naming messages (it was a ValueError reported as param
+    'prompt'), and one without its format, or an audio_url without its url, names the missing field (pydantic's
+    error of the content's string branch said "should be a valid string")."""
+    fake = FakeEngineClient()
+    with app_in_thread(fake) as base:
+        url = base + "/v1/chat/completions"
+        for part, param, says in (
+                ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "messages",
+                 "messages[0].content[1].input_audio must hold the audio's base64 'data'"),
+                ({"type": "input_audio", "input_audio": {"data": "UklGRg=="}}, "messages.0.content.1.input_audio.format",
+                 "messages.0.content.1.input_audio.format: Field required"),
+                ({"type": "audio_url", "audio_url": {}}, "messages.0.content.1.audio_url.url",
+                 "audio_url.url: Field required")):
+            body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
+            status, err = error_of(http_json(url, body))
+            assert (status, err["param"]) == (400, param) and says in err["message"], err
+
+
 def test_tokenizing_a_long_prompt_does_not_stall_other_requests():
     fake = FakeEngineClient()
     fake.tokenizer = SlowTokenizer(delay=4.0)
