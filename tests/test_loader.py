@@ -211,8 +211,13 @@ def test_bad_paths(tmp_path, tiny_llama_dir):
         resolve_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(ValueError, match="hub could not provide it"):  # conftest sets HF_HUB_OFFLINE=1
         resolve_model("specray-test/no-such-model")
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="no config.json; pass an HF model folder"):
         resolve_model(str(tmp_path))
+    (tmp_path / "ggufs").mkdir()
+    (tmp_path / "ggufs" / "m-Q4_K_M.gguf").write_bytes(b"")  # a llama.cpp release's folder: the file is the model
+    with pytest.raises(ValueError, match=r"no config.json but holds GGUF files \['m-Q4_K_M.gguf'\]; pass one of them "
+                                         r"as the model \(e.g. '.*ggufs/m-Q4_K_M.gguf'\)"):
+        resolve_model(str(tmp_path / "ggufs"))
     with pytest.raises(ValueError, match="no weights"):
         resolve_model(str(copy_config(tiny_llama_dir, tmp_path / "empty")))
     (tmp_path / "weights.txt").write_text("x")

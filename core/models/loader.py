@@ -228,6 +228,10 @@ def _download(repo_id: str, weights: bool = True, field: str = "model") -> Path:
 
 def _folder_source(folder: Path, weights: bool = True) -> ModelSource:
     if not (folder / "config.json").is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf") if p.is_file())
+        if ggufs:  # a llama.cpp release's folder: a GGUF loads as a file, not a folder (as in vLLM)
+            raise ValueError(f"model folder {str(folder)!r} has no config.json but holds GGUF files {ggufs[:5]}; pass "
+                             f"one of them as the model (e.g. {str(folder / ggufs[0])!r}), or an HF model folder")
         raise ValueError(f"model folder {str(folder)!r} has no config.json; pass an HF model folder")
     if not isinstance(_json_file(folder / "config.json"), dict):
         raise ValueError(f"{str(folder / 'config.json')!r} holds no JSON object; fix it, or download the model again")
