@@ -233,16 +233,19 @@ def test_bad_paths(tmp_path, tiny_llama_dir):
     ("missing_shard", r"index.json' lists weight files the folder lacks: \['model-2.safetensors'\] \(1 of 2\)"),
     ("stale_index", None),  # an index beside one model.safetensors: the file is read, as transformers reads it
     ("legacy_bin", None),  # torch's format before 1.6 (not a zip archive: read whole, not memory-mapped)
-], ids=["config", "safetensors", "bin", "missing_shard", "stale_index", "legacy_bin"])
+    ("heads", r"model='.*heads' has a config transformers refuses: The hidden size \(64\) is not a multiple of the "
+              r"number of attention heads \(5\); fix config.json"),
+], ids=["config", "safetensors", "bin", "missing_shard", "stale_index", "legacy_bin", "heads"])
 def test_unreadable_checkpoint_files_are_named(tiny_llama_dir, tmp_path, case, match):
     """A corrupt or half-written config.json, safetensors or torch file, or an index whose shards are missing, is a
-    ValueError naming the file, not the parser's own error; a stale index beside one file and a legacy torch file
-    load."""
+    ValueError naming the file, not the parser's own error; so is a config whose sizes transformers refuses (not
+    huggingface_hub's StrictDataclassError, which the CLI showed as a traceback); a stale index beside one file and
+    a legacy torch file load."""
     from safetensors.torch import load_file
 
-    folder = copy_config(tiny_llama_dir, tmp_path / case)
+    folder = copy_config(tiny_llama_dir, tmp_path / case, **({"num_attention_heads": 5} if case == "heads" else {}))
     weights = tiny_llama_dir / "model.safetensors"
-    if case in ("config", "stale_index"):
+    if case in ("config", "stale_index", "heads"):
         shutil.copy(weights, folder)
     if case == "config":
         (folder / "config.json").write_text("{'model_type': 'llama'")
@@ -733,19 +736,22 @@ def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path, gguf_c
     ("merges", r"has no tokenizer.ggml.scores, which transformers needs to build its 'gpt2' tokenizer from the file "
                r"\(tokenizer.ggml.tokens, and merges or scores\)"),
     ("model", r"has no tokenizer.ggml.model \(nor, then, a vocabulary transformers can build a tokenizer from\)"),
-], ids=["blocks", "tokens", "merges", "model"])
+    ("heads", r"model='.*heads.gguf' has a config transformers refuses: The hidden size \(64\) is not a multiple of "
+              r"the number of attention heads \(5\); fix config.json \(a .gguf: its metadata\)"),
+], ids=["blocks", "tokens", "merges", "model", "heads"])
 def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, tmp_path, gguf_cache, case, match):
     """A GGUF whose ``block_count`` is below the blocks its tensors hold is refused naming both, where transformers'
     mapping left the extra blocks' tensors out and the model loaded without those layers; one without its
     vocabulary's tokens, or with neither merges nor scores, is refused naming the field, not transformers'
-    KeyError."""
+    KeyError; one whose head count does not divide its width names the model, not huggingface_hub's
+    StrictDataclassError."""
     import gguf
 
     path = write_gguf(tiny_llama_dir, tmp_path / f"{case}.gguf", "llama")
     fields = gguf.GGUFReader(str(path), "r+").fields
-    if case == "blocks":
-        field = fields["llama.block_count"]
-        field.parts[field.data[0]][0] = 1  # the file holds blk.0 and blk.1
+    if case in ("blocks", "heads"):
+        field = fields["llama.block_count" if case == "blocks" else "llama.attention.head_count"]
+        field.parts[field.data[0]][0] = 1 if case == "blocks" else 5  # the file holds blk.0 and blk.1; 64 wide
     else:  # the key renamed in place (the same length): the field gone
         field = fields[f"tokenizer.ggml.{case}"]
         field.parts[1][-1] = ord("X")

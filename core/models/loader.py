@@ -391,7 +391,10 @@ _TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab*", "merges.txt", "*.tiktoken
 @contextlib.contextmanager
 def _remote_code_errors(model: str | os.PathLike):
     """transformers' refusal to run a checkpoint's own code, in our terms (passing ``trust_remote_code=False``
-    explicitly makes it refuse at once rather than ask on the terminal)."""
+    explicitly makes it refuse at once rather than ask on the terminal), and its refusal of a config whose sizes do
+    not fit (huggingface_hub's StrictDataclassError, which is no ValueError) as a ValueError naming the model."""
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         yield
     except ValueError as err:
@@ -399,6 +402,9 @@ def _remote_code_errors(model: str | os.PathLike):
             raise
         raise ValueError(f"model={str(model)!r} loads its config or tokenizer with code of its own (auto_map); "
                          "pass trust_remote_code=True (--trust-remote-code) if you trust that code") from None
+    except StrictDataclassError as err:  # transformers' own check of the config's sizes (not a ValueError)
+        raise ValueError(f"model={str(model)!r} has a config transformers refuses: {str(err.__cause__ or err).rstrip('.')}; fix "
+                         "config.json (a .gguf: its metadata), or download or convert the model again") from None
 
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
@@ -1348,7 +1354,8 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool,
     fixes where it reads the file wrongly or not at all."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with _remote_code_errors(gguf):
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if arch in _GGUF_CONFIG_FIXES:
         _GGUF_CONFIG_FIXES[arch](config, meta, gguf)
     if arch not in _GGUF_OWN_ROPE:
