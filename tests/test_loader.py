@@ -738,27 +738,36 @@ def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path, gguf_c
     ("model", r"has no tokenizer.ggml.model \(nor, then, a vocabulary transformers can build a tokenizer from\)"),
     ("heads", r"model='.*heads.gguf' has a config transformers refuses: The hidden size \(64\) is not a multiple of "
               r"the number of attention heads \(5\); fix config.json \(a .gguf: its metadata\)"),
-], ids=["blocks", "tokens", "merges", "model", "heads"])
+    ("shape", r"GGUF '.*shape.gguf': its tensor 'blk.0.attn_k.weight' of shape \[31, 64\] does not fit the llama model its "
+              r"metadata describes \(cannot reshape .*\); the file is corrupt or its metadata wrong"),
+    ("head_count", r"checkpoint tensor of shape \(64, 64\) does not fit parameter of shape \(64, 512\): .* \(at "
+                   r"'model.layers.0.self_attn.o_proj.weight'; converted from GGUF '.*head_count.gguf', whose "
+                   r"metadata gave that config\)"),
+], ids=["blocks", "tokens", "merges", "model", "heads", "shape", "head_count"])
 def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, tmp_path, gguf_cache, case, match):
     """A GGUF whose ``block_count`` is below the blocks its tensors hold is refused naming both, where transformers'
     mapping left the extra blocks' tensors out and the model loaded without those layers; one without its
     vocabulary's tokens, or with neither merges nor scores, is refused naming the field, not transformers'
     KeyError; one whose head count does not divide its width names the model, not huggingface_hub's
-    StrictDataclassError."""
+    StrictDataclassError; a tensor of the wrong size, or a missing head count (transformers' default, 32, then
+    sizes the model), is named with the GGUF."""
     import gguf
 
     path = write_gguf(tiny_llama_dir, tmp_path / f"{case}.gguf", "llama")
-    fields = gguf.GGUFReader(str(path), "r+").fields
+    reader = gguf.GGUFReader(str(path), "r+")
     if case in ("blocks", "heads"):
-        field = fields["llama.block_count" if case == "blocks" else "llama.attention.head_count"]
+        field = reader.fields["llama.block_count" if case == "blocks" else "llama.attention.head_count"]
         field.parts[field.data[0]][0] = 1 if case == "blocks" else 5  # the file holds blk.0 and blk.1; 64 wide
+    elif case == "shape":  # attn_k's rows 32 -> 31 (its data read shorter)
+        field = next(t.field for t in reader.tensors if t.name == "blk.0.attn_k.weight")
+        field.parts[3][1] = 31
     else:  # the key renamed in place (the same length): the field gone
-        field = fields[f"tokenizer.ggml.{case}"]
+        field = reader.fields["llama.attention.head_count" if case == "head_count" else f"tokenizer.ggml.{case}"]
         field.parts[1][-1] = ord("X")
     field.parts[1].flush()
     with pytest.raises(ValueError, match=match):
-        resolve_model(str(path))
-    assert not any((gguf_cache / "gguf").glob(f"{case}-*"))
+        load_model(str(path), pack=False)
+    assert case == "head_count" or not any((gguf_cache / "gguf").glob(f"{case}-*"))
 
 
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------

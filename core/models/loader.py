@@ -626,8 +626,22 @@ def load_model(model: str | os.PathLike, tp: TPGroup | None = None, dtype: torch
     if dummy:
         _dummy_weights(net, scheme if ints else None, w8a8, block)
     else:
-        net.load_weights(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None), w8a8,
-                                            blocks=block is not None))
+        read: list[str] = []  # the last tensor read, named where its shape does not fit
+
+        def named(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                read[:] = [name]
+                yield name, tensor
+
+        try:
+            net.load_weights(named(checkpoint_weights(source, prefix, getattr(net, "reads_weight", None), w8a8,
+                                                      blocks=block is not None)))
+        except ValueError as err:
+            if not read or not str(err).startswith("checkpoint tensor of shape"):
+                raise
+            gguf = f"; converted from GGUF {str(source.gguf_file)!r}, whose metadata gave that config" \
+                if source.gguf_file else ""
+            raise ValueError(f"{err} (at {read[0]!r}{gguf})") from None
         if kept is not None:
             logger.info("%d linears keep their %s weights", keep_quantized_weights(net), kept)
     if online:
@@ -1423,8 +1437,14 @@ def _transformers_gguf_tensors(gguf: Path, arch: str, names: nn.Module, hf_model
         if block != layer:
             writer.end_group()
             layer = block
-        result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
-                                   tensor_key_mapping=mapping, parsed_parameters=parsed)
+        try:
+            result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
+                                       tensor_key_mapping=mapping, parsed_parameters=parsed)
+        except ValueError as err:  # a processor's reshape (llama.cpp's q/k order undone) of a tensor of wrong size
+            shape = [int(n) for n in reversed(t.shape)]
+            raise ValueError(f"GGUF {str(gguf)!r}: its tensor {t.name!r} of shape {shape} does not fit the {arch} "
+                             f"model its metadata describes ({err}); the file is corrupt or its metadata wrong: "
+                             "convert the model again") from None
         if result.name in mapping:
             writer[mapping[result.name]] = torch.from_numpy(np.copy(result.weights))
     writer.end_group()
