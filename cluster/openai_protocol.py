@@ -1421,6 +1421,8 @@ def parse_audio_form(raw: bytes, content_type: str | None, task: str) -> tuple[T
         name = part.get_param("name", header="content-disposition")
         data = part.get_payload(decode=True) or b""
         if name == "file":
+            if audio is not None:  # (else the last would be transcribed, the others dropped unsaid)
+                raise bad_request("the form has more than one 'file' field: send one audio per request", "file")
             audio = data
         elif name in ("include[]", "include"):
             raise bad_request("include is not served: this server writes no logprobs of a transcript; leave it out",
@@ -1432,8 +1434,10 @@ def parse_audio_form(raw: bytes, content_type: str | None, task: str) -> tuple[T
                 fields[name] = data.decode()
             except UnicodeDecodeError:
                 raise bad_request(f"the form field {name!r} is not UTF-8 text", name) from None
-    if not audio:
+    if audio is None:
         raise bad_request("the form has no 'file' field holding the audio (a WAV, MP3, FLAC, Ogg, ... file)", "file")
+    if not audio:
+        raise bad_request("the form's 'file' field is empty (0 bytes): send the audio file's bytes in it", "file")
     if task == "translate" and "language" in fields:
         raise bad_request("language is not a translation's field: a translation is always into English; leave it "
                           "out", "language")

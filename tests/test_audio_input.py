@@ -212,6 +212,23 @@ def test_the_servers_content_parts_take_audio():
         proto.ChatMessage(role="user", content=[{"type": "audio", "audio": "x"}])
 
 
+def test_an_audio_form_holds_one_non_empty_file():
+    """A transcription form's 'file' field sent empty is a 400 saying so (it said the field was missing), and two
+    'file' fields are a 400 (the last was transcribed, the first dropped unsaid)."""
+    pytest.importorskip("pydantic")  # (the server's; not in a GPU image)
+    from specray.cluster import openai_protocol as proto
+
+    form = "multipart/form-data; boundary=specray-form"
+    wav = _wav([_sine(300, RATE, 0.1)], RATE)
+    assert proto.parse_audio_form(_form({"model": "m"}, wav), form, "transcribe")[1] == wav
+    two = _form({}, wav)[: -len("--specray-form--\r\n")] + _form({}, wav)
+    for body, says in ((_form({"model": "m"}, None), "has no 'file' field"),
+                       (_form({}, b""), r"'file' field is empty \(0 bytes\)"), (two, "more than one 'file' field")):
+        with pytest.raises(proto.OpenAIError, match=says) as err:
+            proto.parse_audio_form(body, form, "transcribe")
+        assert (err.value.status, err.value.param) == (400, "file")
+
+
 # -- through the engine and the server, with a stand-in audio family on the tiny Llama ---------------------------------
 
 CHAT_AUDIO = 3  # "<audio>": the tiny tokenizer's fourth special token
