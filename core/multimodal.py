@@ -476,6 +476,9 @@ def decode_video(data: bytes, num_frames: int = VIDEO_FRAMES) -> VideoFrames:
 
     try:
         with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:  # (an audio file: else IndexError's "tuple index out of range")
+                kinds = sorted({stream.type for stream in container.streams})
+                raise ValueError(f"the file holds no video stream, only {' and '.join(kinds) or 'nothing'}")
             total = container.streams.video[0].frames
         if not total:  # a container that does not say: count them
             with av.open(io.BytesIO(data)) as container:

@@ -10,6 +10,7 @@ import base64
 import http.server
 import io
 import threading
+import wave
 
 import numpy as np
 import pytest
@@ -697,6 +698,11 @@ def test_video_files_decode_to_evenly_spaced_frames(tmp_path):
     assert len(media_of({"video": [url, url]})["video"]) == 2
     with pytest.raises(ValueError, match="video could not be decoded"):
         decode_video(_png(_image(1))[:40])
+    sound = io.BytesIO()  # a WAV: no video stream (it said "tuple index out of range")
+    with wave.open(sound, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(8000), w.writeframes(bytes(1600))
+    with pytest.raises(ValueError, match=r"video could not be decoded \(the file holds no video stream, only audio\)"):
+        decode_video(sound.getvalue())
     with pytest.raises(ValueError, match="is not a file"):
         load_video("/nonexistent.mp4")
     with pytest.raises(ValueError, match="video '/nonexistent.mp4' is not supported"):
