@@ -204,7 +204,7 @@ def test_each_family_ties_its_head_where_transformers_does():
     assert checked > 100
 
 
-def test_bad_paths(tmp_path, tiny_llama_dir):
+def test_bad_paths(tmp_path, tiny_llama_dir, gguf_cache):
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model(str(tmp_path / "no" / "such" / "model"))
     with pytest.raises(ValueError, match="does not exist"):
@@ -223,6 +223,10 @@ def test_bad_paths(tmp_path, tiny_llama_dir):
     (tmp_path / "weights.txt").write_text("x")
     with pytest.raises(ValueError, match="not a .gguf"):
         resolve_model(str(tmp_path / "weights.txt"))
+    for name in ("M-Q4_K.GGUF", "blob"):  # a GGUF by its suffix in any case, or by its magic (a hub blob), as vLLM's
+        (tmp_path / name).write_bytes(b"GGUF\x03\x00")  # (cut short: read as a GGUF, it is refused as one)
+        with pytest.raises(ValueError, match="is truncated or corrupt"):
+            resolve_model(str(tmp_path / name))
 
 
 @pytest.mark.parametrize("case, match", [

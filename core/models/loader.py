@@ -199,9 +199,23 @@ def check_model_path(model: str | os.PathLike, field: str) -> None:
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(f"{field}={str(model)!r} is a folder without config.json; pass an HF model folder "
                          "(config.json + weights), a checkpoint folder of the method's layout or a .gguf file")
-    if path.is_file() and path.suffix != ".gguf":
+    if path.is_file() and not is_gguf_file(path):
         raise ValueError(f"{field}={str(model)!r} is a file but not a .gguf; pass an HF model folder "
                          "(config.json + weights) or a .gguf file")
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file: named ``.gguf`` (in any case), or beginning with GGUF's magic bytes (a file
+    renamed, a hub cache's blob), as vLLM tells one."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _looks_local(model: str) -> bool:
@@ -497,7 +511,7 @@ def check_quantization(quantization: str | None, config, model: str | os.PathLik
     if quantization is None:
         return
     if quantization == "gguf":
-        if not str(model).endswith(".gguf"):
+        if not str(model).endswith(".gguf") and not is_gguf_file(Path(model).expanduser()):
             raise ValueError(f"{option}='gguf' but model={str(model)!r} is not a .gguf file: pass the GGUF file, "
                              "or drop the quantization option (the method is read from the checkpoint's config.json)")
         return
