@@ -742,8 +742,8 @@ def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path, gguf_c
     ("model", r"has no tokenizer.ggml.model \(nor, then, a vocabulary transformers can build a tokenizer from\)"),
     ("heads", r"model='.*heads.gguf' has a config transformers refuses: The hidden size \(64\) is not a multiple of "
               r"the number of attention heads \(5\); fix config.json \(a .gguf: its metadata\)"),
-    ("shape", r"GGUF '.*shape.gguf': its tensor 'blk.0.attn_k.weight' of shape \[31, 64\] does not fit the llama model its "
-              r"metadata describes \(cannot reshape .*\); the file is corrupt or its metadata wrong"),
+    ("shape", r"GGUF '.*shape.gguf': its tensor 'blk.0.attn_k.weight' of shape \[31, 64\] does not fit the llama "
+              r"model its metadata describes \(cannot reshape .*\); the file is corrupt or its metadata wrong"),
     ("head_count", r"checkpoint tensor of shape \(64, 64\) does not fit parameter of shape \(64, 512\): .* \(at "
                    r"'model.layers.0.self_attn.o_proj.weight'; converted from GGUF '.*head_count.gguf', whose "
                    r"metadata gave that config\)"),

@@ -709,8 +709,8 @@ def test_a_media_part_without_its_data_is_a_400_naming_the_part():
         for part, param, says in (
                 ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "messages",
                  "messages[0].content[1].input_audio must hold the audio's base64 'data'"),
-                ({"type": "input_audio", "input_audio": {"data": "UklGRg=="}}, "messages.0.content.1.input_audio.format",
-                 "messages.0.content.1.input_audio.format: Field required"),
+                ({"type": "input_audio", "input_audio": {"data": "UklGRg=="}},
+                 "messages.0.content.1.input_audio.format", "messages.0.content.1.input_audio.format: Field required"),
                 ({"type": "audio_url", "audio_url": {}}, "messages.0.content.1.audio_url.url",
                  "audio_url.url: Field required")):
             body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}

@@ -417,8 +417,9 @@ def _remote_code_errors(model: str | os.PathLike):
         raise ValueError(f"model={str(model)!r} loads its config or tokenizer with code of its own (auto_map); "
                          "pass trust_remote_code=True (--trust-remote-code) if you trust that code") from None
     except StrictDataclassError as err:  # transformers' own check of the config's sizes (not a ValueError)
-        raise ValueError(f"model={str(model)!r} has a config transformers refuses: {str(err.__cause__ or err).rstrip('.')}; fix "
-                         "config.json (a .gguf: its metadata), or download or convert the model again") from None
+        why = str(err.__cause__ or err).rstrip(".")
+        raise ValueError(f"model={str(model)!r} has a config transformers refuses: {why}; fix config.json (a .gguf: "
+                         "its metadata), or download or convert the model again") from None
 
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
