@@ -1231,7 +1231,8 @@ class OpenAIServing:
         self._check_request_size(req, 1, req.output_limit(), limit_param)
         prompt = _truncated(await self._off_loop(lambda: self._encode_chat_prompt(req, req.add_special_tokens)),
                             req.truncate_prompt_tokens)
-        proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param)
+        proto.check_context(len(prompt.token_ids), req.output_limit(), self.client.max_model_len, limit_param,
+                            "messages")
         prediction = None
         if req.prediction is not None and self.config.drafts_predictions:  # else the engine would drop it
             prediction = await self._off_loop(lambda: self._encode_prediction(req.prediction.text()))
@@ -1243,7 +1244,7 @@ class OpenAIServing:
         fmt = kind(response_id, self._response_model(lora), self._logprob_format(req), req.num_logprobs(),
                    req.prompt_logprobs, return_token_ids=req.return_token_ids,
                    reasoning_parser=self.config.reasoning_parser, tools=tools, **extra)
-        return await self._run(req, choices, fmt, arrival)
+        return await self._run(req, choices, fmt, arrival, "messages")
 
     async def _audio_text(self, body: tuple[bytes, str | None], arrival: float, task: str) -> Response:
         """OpenAI's audio transcription (``task`` "transcribe") or translation into English ("translate") of the
@@ -1258,7 +1259,7 @@ class OpenAIServing:
         lora = await self._resolve_model(form.model)
         prompts, spans = await self._off_loop(lambda: self._encode_audio_prompts(form, audio, task))
         longest = max(len(p.token_ids) for p in prompts)
-        proto.check_context(longest, None, self.client.max_model_len, "file")
+        proto.check_context(longest, None, self.client.max_model_len, "file", "file")
         limit = self.client.max_model_len - longest
         cap = self.config.max_tokens_per_request
         if cap is not None:  # the request's whole output, shared by its clips
@@ -1282,7 +1283,7 @@ class OpenAIServing:
             form.temperature)
         fmt = _AudioTextFormat(request_id, self._response_model(lora), self._logprob_format(req), None,
                                transcript=transcript, segments=segments)
-        response = await self._run(req, choices, fmt, arrival)
+        response = await self._run(req, choices, fmt, arrival, "file")
         if form.stream or form.response_format in ("json", "verbose_json"):
             return response
         answer = json.loads(response.body)
@@ -1559,7 +1560,10 @@ class OpenAIServing:
                 choices.append(_Choice(index, prompt, params, f"{request_id}-{index}", predicted=predicted))
         return choices
 
-    async def _run(self, req, choices: list[_Choice], fmt: _Format, arrival: float) -> Response:
+    async def _run(self, req, choices: list[_Choice], fmt: _Format, arrival: float,
+                   prompt_param: str = "prompt") -> Response:
+        """The request's choices through the engine, answered in ``fmt``; an engine's refusal of its input names
+        ``prompt_param``, the request's field that gave the prompt (a chat's ``messages``)."""
         seats = min(len(choices), self.config.max_seats_per_request or len(choices))
         if self._stopping:
             raise _shutting_down()
@@ -1570,7 +1574,8 @@ class OpenAIServing:
         except BaseException as exc:
             fanout.close()
             if isinstance(exc, ValueError):  # refused at admission (a regex or schema the engine cannot compile)
-                raise to_openai_error(self._as_client_sees(exc), req.structured_outputs_param()) from None
+                raise to_openai_error(self._as_client_sees(exc), req.structured_outputs_param(),
+                                      prompt_param) from None
             raise
         if req.stream:
             body = self._stream(fanout, choices, fmt, first, req.include_usage, req.continuous_usage)
@@ -1579,7 +1584,7 @@ class OpenAIServing:
             while first is not None:
                 first = await fanout.next()
         except ValueError as exc:  # its own constraints cannot be met (RequestRefusedError)
-            raise to_openai_error(self._as_client_sees(exc), req.structured_outputs_param()) from None
+            raise to_openai_error(self._as_client_sees(exc), req.structured_outputs_param(), prompt_param) from None
         finally:
             fanout.close()
         body = fmt.response(choices, _usage(choices))
@@ -1687,9 +1692,11 @@ def register_client_gone(*types: type[BaseException]) -> None:
     _CLIENT_GONE = tuple(dict.fromkeys(_CLIENT_GONE + types))
 
 
-def to_openai_error(exc: BaseException, structured_param: str | None = None) -> proto.OpenAIError:
+def to_openai_error(exc: BaseException, structured_param: str | None = None,
+                    prompt_param: str = "prompt") -> proto.OpenAIError:
     """``exc`` in OpenAI's terms; an engine's refusal of a request's structured outputs names
-    ``structured_param``, the request's own field for them (see :func:`proto.from_value_error`)."""
+    ``structured_param``, the request's own field for them (see :func:`proto.from_value_error`), and one of its
+    input names ``prompt_param`` unless it names a field itself."""
     if isinstance(exc, proto.OpenAIError):
         return exc
     if isinstance(exc, _CLIENT_GONE):
@@ -1699,7 +1706,7 @@ def to_openai_error(exc: BaseException, structured_param: str | None = None) -> 
     if isinstance(exc, ValidationError):
         return proto.from_validation_error(exc)
     if isinstance(exc, ValueError):  # the engine rejected the request's input
-        return proto.from_value_error(exc, "prompt", structured_param)
+        return proto.from_value_error(exc, prompt_param, structured_param)
     if isinstance(exc, EngineUnavailableError):
         return proto.OpenAIError(503, str(exc), "server_error", None, "engine_unavailable")
     if isinstance(exc, EngineError):

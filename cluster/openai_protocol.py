@@ -1012,13 +1012,15 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
         raise from_value_error(err, structured_param=req.structured_outputs_param()) from None
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limit_param: str) -> None:
-    """400 ``context_length_exceeded`` when the prompt (plus the requested output) does not fit."""
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limit_param: str,
+                  prompt_param: str = "prompt") -> None:
+    """400 ``context_length_exceeded`` when the prompt (plus the requested output) does not fit; ``prompt_param``:
+    the request's field that gave the prompt (a chat's ``messages``, an audio request's ``file``)."""
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
             f"{num_prompt_tokens} tokens (at least one must be left to generate); shorten the prompt",
-            "messages" if limit_param == "max_completion_tokens" else "prompt", "context_length_exceeded")
+            prompt_param, "context_length_exceeded")
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens, but you requested "

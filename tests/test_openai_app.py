@@ -699,12 +699,20 @@ def test_deeply_nested_bodies_are_400_and_leave_the_server_serving():
         assert http_json(url, chat)[0] == 200
 
 
-def test_a_media_part_without_its_data_is_a_400_naming_the_part():
+class RefusingEngineClient(FakeEngineClient):
+    """Refuses every request's input, as the engine refuses a prompt over ``limit_mm_per_prompt``."""
+
+    async def _generate(self, prompt_token_ids, params, prompt=None, req_id=None):
+        raise ValueError("the prompt holds 2 audio items; this engine takes at most 1 per prompt")
+        yield
+
+
+def test_errors_of_a_chat_s_prompt_name_messages():
     """An input_audio part with empty data is a 400 naming messages (it was a ValueError reported as param
     'prompt'), and one without its format, or an audio_url without its url, names the missing field (pydantic's
-    error of the content's string branch said "should be a valid string")."""
-    fake = FakeEngineClient()
-    with app_in_thread(fake) as base:
+    error of the content's string branch said "should be a valid string"); a chat's prompt too long for the context
+    (with the legacy max_tokens too) and the engine's refusal of its input name messages, a completion's prompt."""
+    with app_in_thread(RefusingEngineClient()) as base:
         url = base + "/v1/chat/completions"
         for part, param, says in (
                 ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "messages",
@@ -716,6 +724,13 @@ def test_a_media_part_without_its_data_is_a_400_naming_the_part():
             body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
             status, err = error_of(http_json(url, body))
             assert (status, err["param"]) == (400, param) and says in err["message"], err
+        for body, code, says in (({"messages": [{"role": "user", "content": "x" * 70}], "max_tokens": 2},
+                                  "context_length_exceeded", "the prompt has 70 tokens"),
+                                 ({"messages": [{"role": "user", "content": "hi"}]}, None, "2 audio items")):
+            status, err = error_of(http_json(url, body))
+            assert (status, err["param"], err["code"]) == (400, "messages", code) and says in err["message"], err
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "hi"}))
+        assert (status, err["param"]) == (400, "prompt") and "2 audio items" in err["message"], err
 
 
 def test_tokenizing_a_long_prompt_does_not_stall_other_requests():
