@@ -21,7 +21,7 @@ from specray.models import loader
 from specray.models.attention import build_attention_metadata
 from specray.models.gguf_mamba2 import MAMBA2_GGUF_ARCHS
 from specray.models.kv_cache import allocate_kv_cache
-from specray.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model
+from specray.models.loader import check_model_path, load_hf_config, load_model, load_tokenizer, resolve_model
 from specray_test_checkpoints import (FP8_BLOCK, INT_SCHEMES, assert_refused, gguf_blocks,  # tests/checkpoints.py,
                                       split_experts, write_fp8, write_int)  # via conftest
 
@@ -215,9 +215,12 @@ def test_bad_paths(tmp_path, tiny_llama_dir, gguf_cache):
         resolve_model(str(tmp_path))
     (tmp_path / "ggufs").mkdir()
     (tmp_path / "ggufs" / "m-Q4_K_M.gguf").write_bytes(b"")  # a llama.cpp release's folder: the file is the model
-    with pytest.raises(ValueError, match=r"no config.json but holds GGUF files \['m-Q4_K_M.gguf'\]; pass one of them "
-                                         r"as the model \(e.g. '.*ggufs/m-Q4_K_M.gguf'\)"):
+    with pytest.raises(ValueError, match=r"no config.json but holds GGUF files \['m-Q4_K_M.gguf'\]: pass one of them "
+                                         r"as the model \(e.g. '.*ggufs/m-Q4_K_M.gguf'\), or pass an HF model folder"):
         resolve_model(str(tmp_path / "ggufs"))
+    with pytest.raises(ValueError, match=r"speculative_config.model='.*ggufs' is a folder without config.json but "
+                                         r"holds GGUF files \['m-Q4_K_M.gguf'\]: pass one of them as the model"):
+        check_model_path(str(tmp_path / "ggufs"), "speculative_config.model")
     with pytest.raises(ValueError, match="no weights"):
         resolve_model(str(copy_config(tiny_llama_dir, tmp_path / "empty")))
     (tmp_path / "weights.txt").write_text("x")

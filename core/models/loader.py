@@ -197,8 +197,9 @@ def check_model_path(model: str | os.PathLike, field: str) -> None:
     check_path(model, field)
     path = Path(model).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"{field}={str(model)!r} is a folder without config.json; pass an HF model folder "
-                         "(config.json + weights), a checkpoint folder of the method's layout or a .gguf file")
+        raise ValueError(f"{field}={str(model)!r} is a folder without config.json{_gguf_files_hint(path) or ';'} pass "
+                         "an HF model folder (config.json + weights), a checkpoint folder of the method's layout or a "
+                         ".gguf file")
     if path.is_file() and not is_gguf_file(path):
         raise ValueError(f"{field}={str(model)!r} is a file but not a .gguf; pass an HF model folder "
                          "(config.json + weights) or a .gguf file")
@@ -240,13 +241,20 @@ def _download(repo_id: str, weights: bool = True, field: str = "model") -> Path:
     return folder
 
 
+def _gguf_files_hint(folder: Path) -> str:
+    """For a folder without config.json that holds GGUF files (a llama.cpp release's: a GGUF loads as a file, not a
+    folder, as in vLLM), the words naming them and the way out, ending in "or"; else nothing."""
+    ggufs = sorted(p.name for p in folder.glob("*") if p.suffix.lower() == ".gguf" and p.is_file())
+    if not ggufs:
+        return ""
+    return (f" but holds GGUF files {ggufs[:5]}: pass one of them as the model (e.g. {str(folder / ggufs[0])!r}), "
+            "or")
+
+
 def _folder_source(folder: Path, weights: bool = True) -> ModelSource:
     if not (folder / "config.json").is_file():
-        ggufs = sorted(p.name for p in folder.glob("*.gguf") if p.is_file())
-        if ggufs:  # a llama.cpp release's folder: a GGUF loads as a file, not a folder (as in vLLM)
-            raise ValueError(f"model folder {str(folder)!r} has no config.json but holds GGUF files {ggufs[:5]}; pass "
-                             f"one of them as the model (e.g. {str(folder / ggufs[0])!r}), or an HF model folder")
-        raise ValueError(f"model folder {str(folder)!r} has no config.json; pass an HF model folder")
+        raise ValueError(f"model folder {str(folder)!r} has no config.json{_gguf_files_hint(folder) or ';'} pass an "
+                         "HF model folder")
     if not isinstance(_json_file(folder / "config.json"), dict):
         raise ValueError(f"{str(folder / 'config.json')!r} holds no JSON object; fix it, or download the model again")
     return ModelSource(folder, *_weight_files(folder)) if weights else ModelSource(folder, (), "none")
