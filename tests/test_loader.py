@@ -750,21 +750,23 @@ def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path, gguf_c
     ("head_count", r"checkpoint tensor of shape \(64, 64\) does not fit parameter of shape \(64, 512\): .* \(at "
                    r"'model.layers.0.self_attn.o_proj.weight'; converted from GGUF '.*head_count.gguf', whose "
                    r"metadata gave that config\)"),
-], ids=["blocks", "tokens", "merges", "model", "heads", "shape", "head_count"])
+    ("rope", r"GGUF '.*rope.gguf' has llama.rope.freq_base=0.0, which must be positive; its metadata is corrupt"),
+], ids=["blocks", "tokens", "merges", "model", "heads", "shape", "head_count", "rope"])
 def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, tmp_path, gguf_cache, case, match):
     """A GGUF whose ``block_count`` is below the blocks its tensors hold is refused naming both, where transformers'
     mapping left the extra blocks' tensors out and the model loaded without those layers; one without its
     vocabulary's tokens, or with neither merges nor scores, is refused naming the field, not transformers'
     KeyError; one whose head count does not divide its width names the model, not huggingface_hub's
     StrictDataclassError; a tensor of the wrong size, or a missing head count (transformers' default, 32, then
-    sizes the model), is named with the GGUF."""
+    sizes the model), is named with the GGUF; a RoPE base of 0 (every logit NaN) is refused naming the key."""
     import gguf
 
     path = write_gguf(tiny_llama_dir, tmp_path / f"{case}.gguf", "llama")
     reader = gguf.GGUFReader(str(path), "r+")
-    if case in ("blocks", "heads"):
-        field = reader.fields["llama.block_count" if case == "blocks" else "llama.attention.head_count"]
-        field.parts[field.data[0]][0] = 1 if case == "blocks" else 5  # the file holds blk.0 and blk.1; 64 wide
+    if case in ("blocks", "heads", "rope"):  # the file holds blk.0 and blk.1, is 64 wide; a base of 0: NaN logits
+        key = {"blocks": "block_count", "heads": "attention.head_count", "rope": "rope.freq_base"}[case]
+        field = reader.fields[f"llama.{key}"]
+        field.parts[field.data[0]][0] = {"blocks": 1, "heads": 5, "rope": 0}[case]
     elif case == "shape":  # attn_k's rows 32 -> 31 (its data read shorter)
         field = next(t.field for t in reader.tensors if t.name == "blk.0.attn_k.weight")
         field.parts[3][1] = 31

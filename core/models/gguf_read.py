@@ -200,6 +200,10 @@ def rope_parameters(get: GGUFMeta, factors: torch.Tensor | None, rotated: int,
         raise ValueError(f"{refuse} has {get.arch}.rope.scaling.type={scaling!r}; specray reads a {get.arch} GGUF "
                          "with linear, YaRN, Llama 3's (rope_freqs) or no RoPE scaling. Pass the model's HF "
                          "checkpoint instead")
+    for key, value in (("rope.freq_base", rope["rope_theta"]), ("rope.scaling.factor", rope.get("factor", 1.0))):
+        if not value > 0:  # (0, negative or NaN: every logit NaN)
+            raise ValueError(f"{refuse} has {get.arch}.{key}={value}, which must be positive; its metadata is "
+                             "corrupt: convert the model again, or pass its HF checkpoint")
     return rope
 
 
