@@ -1662,8 +1662,8 @@ def _truncated(prompt: _Prompt, keep: int | None) -> _Prompt:
     if keep is None or len(prompt.token_ids) <= keep:
         return prompt
     if prompt.multimodal is not None:
-        raise proto.bad_request(f"truncate_prompt_tokens={keep} would cut a prompt with images (of "
-                                f"{len(prompt.token_ids)} tokens): it could cut an image's tokens; leave it unset",
+        raise proto.bad_request(f"truncate_prompt_tokens={keep} would cut a prompt with images, videos or audio (of "
+                                f"{len(prompt.token_ids)} tokens): it could cut their tokens; leave it unset",
                                 "truncate_prompt_tokens")
     return _Prompt(None, prompt.token_ids[-keep:])
 

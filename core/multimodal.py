@@ -627,14 +627,14 @@ def check_image_prompt(multimodal: MultiModalInputs, token_ids: list[int], trunc
                        ) -> None:
     """A ValueError unless ``multimodal`` fits the prompt ``token_ids`` it was made with, which is not to be cut."""
     if truncate_prompt_tokens is not None:
-        raise ValueError("truncate_prompt_tokens cannot cut a prompt with images: it could cut an image's tokens; "
-                         "leave it unset")
+        raise ValueError("truncate_prompt_tokens cannot cut a prompt with images, videos or audio: it could cut "
+                         "their tokens; leave it unset")
     n = len(token_ids)
     spans = [(item.offset, item.end) for item in multimodal.items]
     if not spans or any(not 0 <= a < b <= n for a, b in spans) or any(b > c for (_, b), (c, _) in
                                                                      zip(spans, spans[1:])):
-        raise ValueError(f"multimodal: the images' spans {spans} must be non-empty, in order and within the prompt's "
-                         f"{n} tokens (as specray.multimodal.expand_prompt makes them)")
+        raise ValueError(f"multimodal: the spans {spans} of its images, videos or audio must be non-empty, in order "
+                         f"and within the prompt's {n} tokens (as specray.multimodal.expand_prompt makes them)")
     rope = multimodal.rope_positions
     if rope is not None and (len(rope) != 3 or any(len(axis) != n for axis in rope)):
         raise ValueError(f"multimodal.rope_positions must hold three lists of the prompt's length {n}")

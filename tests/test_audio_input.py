@@ -312,6 +312,9 @@ def test_audio_through_the_engine_equals_transformers(audio_family):
     want = _reference(audio_family, ids, mm.items, 12)
     assert list(outs[0].outputs[0].token_ids) == want
     assert want != _reference(audio_family, ids, [], 12) and llm.spec_stats.draft_tokens > 0
+    with pytest.raises(ValueError, match="cannot cut a prompt with images, videos or audio"):  # (said "images")
+        llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"audio": audios}},
+                     SamplingParams(max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)
     capped = LLM(model=str(audio_family), max_model_len=128, limit_mm_per_prompt={"audio": 1})
     with pytest.raises(ValueError, match="holds 2 audio items; this engine takes at most 1"):
         capped.generate({"prompt_token_ids": prompt, "multi_modal_data": {"audio": audios}}, params)
