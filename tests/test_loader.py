@@ -737,6 +737,24 @@ def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path, gguf_c
     assert not any((gguf_cache / "gguf").glob(f"cut-{cut}-*"))
 
 
+def test_a_shard_of_a_split_gguf_is_refused_with_the_way_out(tmp_path, gguf_cache):
+    """Each shard of a GGUF split by llama.cpp's gguf-split (``-0000k-of-0000n.gguf``) is refused naming the merge,
+    where the first was refused as lacking tensors and the others as of architecture None."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "split.gguf"), "llama", split_max_tensors=1)
+    for name in ("token_embd.weight", "output.weight"):
+        w.add_tensor(name, np.ones((64, 32), np.float32))
+    _write_out(w)
+    for k in (1, 2):
+        path = tmp_path / f"split-0000{k}-of-00002.gguf"
+        with pytest.raises(ValueError, match=rf"is shard {k} of 2 of a split GGUF; specray loads a single file: merge "
+                                             r"the shards first \(llama.cpp's `llama-gguf-split --merge"):
+            resolve_model(str(path))
+    assert not any((gguf_cache / "gguf").glob("split-*"))
+
+
 @pytest.mark.parametrize("case, match", [
     ("blocks", r"has llama.block_count=1 but holds tensors of blocks up to blk.1"),
     ("tokens", r"has no tokenizer.ggml.tokens, which transformers needs to build its 'gpt2' tokenizer"),

@@ -928,6 +928,18 @@ def _check_gguf_architecture(gguf: Path, arch: str | None) -> None:
             "that layout first")
 
 
+def _check_gguf_split(gguf: Path, meta: dict[str, Any]) -> None:
+    """ValueError, naming the way out, for one shard of a GGUF split in several files (llama.cpp's gguf-split,
+    ``NAME-00001-of-00003.gguf``: ``split.count`` in each): specray (as vLLM) reads a single file, and a shard alone
+    would be refused as lacking tensors or an architecture."""
+    count = int(meta.get("split.count") or 1)
+    if count > 1:
+        shard = int(meta.get("split.no") or 0) + 1
+        raise ValueError(f"GGUF {str(gguf)!r} is shard {shard} of {count} of a split GGUF; specray loads a single "
+                         "file: merge the shards first (llama.cpp's `llama-gguf-split --merge FIRST_SHARD.gguf "
+                         "merged.gguf`) and pass the merged file")
+
+
 def _check_gguf_tensor_types(gguf: Path, tensors: list) -> None:
     """ValueError naming a tensor whose llama.cpp type gguf-py cannot dequantize (Q8_K, Q8_1, the integer and F64
     types: none a converter writes for a model's weights), up front, where the conversion would fail part-way on
@@ -1355,6 +1367,7 @@ def _write_gguf_folder(gguf: Path, out: Path) -> None:
     with _parsed_once(gguf) as parsed:
         meta = _gguf_metadata(gguf)
         arch = meta.get("general.architecture")
+        _check_gguf_split(gguf, meta)
         _check_gguf_architecture(gguf, arch)
         _check_gguf_tensor_types(gguf, parsed.tensors)
         mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp's Mixtral: a llama with experts
