@@ -205,7 +205,7 @@ def media_bytes(source: Any, kind: str = IMAGE, local: bool = True, domains: Col
     if isinstance(source, (bytes, bytearray)):
         data = bytes(source)
     elif isinstance(source, str) and source.startswith("data:"):
-        data = decode_data_url(source)
+        data = decode_data_url(source, kind)
     elif isinstance(source, str) and source.startswith(("http://", "https://")):
         data = fetch_url(source, domains, kind)
     elif local and isinstance(source, (str, os.PathLike)):
@@ -261,11 +261,11 @@ def fetch_url(url: str, domains: Collection[str] | None = None, kind: str = IMAG
     return data
 
 
-def decode_data_url(url: str) -> bytes:
-    """The bytes of a ``data:[<type>][;base64],<data>`` URL (an image's: base64)."""
+def decode_data_url(url: str, kind: str = IMAGE) -> bytes:
+    """The bytes of a ``data:[<type>][;base64],<data>`` URL (base64) of a ``kind`` (image, video, audio)."""
     head, sep, payload = url.partition(",")
     if not sep or not head.endswith(";base64"):
-        raise ValueError(f"data URL {url[:40]!r}... must be 'data:image/<type>;base64,<data>'")
+        raise ValueError(f"data URL {url[:40]!r}... must be 'data:{kind}/<type>;base64,<data>'")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as err:

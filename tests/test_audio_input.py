@@ -89,6 +89,7 @@ def test_audio_files_decode_to_the_mean_of_their_channels(tmp_path, rate):
     ((np.zeros(RATE * 3601, np.float32), RATE), "up to 3600 s"),
     (b"not an audio file", "could not be decoded"),
     ({"audio": 1}, "of type dict is not supported"),
+    ("data:audio/wav,UklGRg==", r"must be 'data:audio/<type>;base64,<data>'"),  # (it said data:image/...)
 ])
 def test_bad_audio_is_refused_by_name(audio, message):
     with pytest.raises(ValueError, match=message):
