@@ -547,6 +547,10 @@ class VideoURL(BaseModel):
     url: str
 
 
+class AudioURL(VideoURL):
+    """vLLM's ``audio_url`` part's object (its own class: pydantic's errors name it)."""
+
+
 class InputAudio(BaseModel):
     """OpenAI's audio content part: the file's bytes in base64 and its format (``wav``, ``mp3``, ...)."""
 
@@ -565,7 +569,7 @@ class ContentPart(BaseModel):
     text: Text | None = None
     image_url: ImageURL | None = None
     video_url: VideoURL | None = None
-    audio_url: VideoURL | None = None
+    audio_url: AudioURL | None = None
     input_audio: InputAudio | None = None
 
     @model_validator(mode="before")

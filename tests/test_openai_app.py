@@ -720,7 +720,9 @@ def test_errors_of_a_chat_s_prompt_name_messages():
                 ({"type": "input_audio", "input_audio": {"data": "UklGRg=="}},
                  "messages.0.content.1.input_audio.format", "messages.0.content.1.input_audio.format: Field required"),
                 ({"type": "audio_url", "audio_url": {}}, "messages.0.content.1.audio_url.url",
-                 "audio_url.url: Field required")):
+                 "audio_url.url: Field required"),
+                ({"type": "audio_url", "audio_url": "data:audio/wav;base64,UklGRg=="}, "messages.0.content.1.audio_url",
+                 "valid dictionary or instance of AudioURL")):  # (it said VideoURL)
             body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
             status, err = error_of(http_json(url, body))
             assert (status, err["param"]) == (400, param) and says in err["message"], err
