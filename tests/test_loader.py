@@ -769,22 +769,25 @@ def test_a_shard_of_a_split_gguf_is_refused_with_the_way_out(tmp_path, gguf_cach
                    r"'model.layers.0.self_attn.o_proj.weight'; converted from GGUF '.*head_count.gguf', whose "
                    r"metadata gave that config\)"),
     ("rope", r"GGUF '.*rope.gguf' has llama.rope.freq_base=0.0, which must be positive; its metadata is corrupt"),
-], ids=["blocks", "tokens", "merges", "model", "heads", "shape", "head_count", "rope"])
+    ("eos", r"GGUF '.*eos.gguf' has tokenizer.ggml.eos_token_id=99999, past its vocabulary of \d+ tokens"),
+], ids=["blocks", "tokens", "merges", "model", "heads", "shape", "head_count", "rope", "eos"])
 def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, tmp_path, gguf_cache, case, match):
     """A GGUF whose ``block_count`` is below the blocks its tensors hold is refused naming both, where transformers'
     mapping left the extra blocks' tensors out and the model loaded without those layers; one without its
     vocabulary's tokens, or with neither merges nor scores, is refused naming the field, not transformers'
     KeyError; one whose head count does not divide its width names the model, not huggingface_hub's
     StrictDataclassError; a tensor of the wrong size, or a missing head count (transformers' default, 32, then
-    sizes the model), is named with the GGUF; a RoPE base of 0 (every logit NaN) is refused naming the key."""
+    sizes the model), is named with the GGUF; a RoPE base of 0 (every logit NaN) is refused naming the key, and so
+    is a special token id past the vocabulary (transformers' IndexError, a traceback from the CLI)."""
     import gguf
 
     path = write_gguf(tiny_llama_dir, tmp_path / f"{case}.gguf", "llama")
     reader = gguf.GGUFReader(str(path), "r+")
-    if case in ("blocks", "heads", "rope"):  # the file holds blk.0 and blk.1, is 64 wide; a base of 0: NaN logits
-        key = {"blocks": "block_count", "heads": "attention.head_count", "rope": "rope.freq_base"}[case]
-        field = reader.fields[f"llama.{key}"]
-        field.parts[field.data[0]][0] = {"blocks": 1, "heads": 5, "rope": 0}[case]
+    if case in ("blocks", "heads", "rope", "eos"):  # the file holds blk.0 and blk.1, is 64 wide; base 0: NaN logits
+        key = {"blocks": "llama.block_count", "heads": "llama.attention.head_count", "rope": "llama.rope.freq_base",
+               "eos": "tokenizer.ggml.eos_token_id"}[case]
+        field = reader.fields[key]
+        field.parts[field.data[0]][0] = {"blocks": 1, "heads": 5, "rope": 0, "eos": 99999}[case]
     elif case == "shape":  # attn_k's rows 32 -> 31 (its data read shorter)
         field = next(t.field for t in reader.tensors if t.name == "blk.0.attn_k.weight")
         field.parts[3][1] = 31

@@ -1225,12 +1225,19 @@ def _save_gguf_tokenizer(gguf: Path, out: Path, meta: dict[str, Any]) -> None:
     of a family we read ourselves (``_GGUF_READERS``) is built by the generic class directly: ``AutoTokenizer`` would
     first read the file's config, which transformers cannot for a Qwen3-Next, a Mamba-2 hybrid (nor for a Qwen3.5
     written without multimodal RoPE sections)."""
+    from gguf import GGUFReader
     from transformers import AutoTokenizer, TokenizersBackend
 
     tokenizer_class = TokenizersBackend if meta.get("general.architecture") in _GGUF_READERS else AutoTokenizer
     if meta.get("tokenizer.ggml.model") is None:
         raise ValueError(f"GGUF {str(gguf)!r} has no tokenizer.ggml.model (nor, then, a vocabulary transformers can "
                          "build a tokenizer from): pass a GGUF converted with its tokenizer")
+    tokens = GGUFReader(str(gguf)).fields.get("tokenizer.ggml.tokens")
+    for kind in ("bos", "eos", "unknown", "padding"):  # the ids transformers looks up in the vocabulary
+        token_id = meta.get(f"tokenizer.ggml.{kind}_token_id")
+        if tokens is not None and token_id is not None and not 0 <= token_id < len(tokens.data):
+            raise ValueError(f"GGUF {str(gguf)!r} has tokenizer.ggml.{kind}_token_id={token_id}, past its vocabulary "
+                             f"of {len(tokens.data)} tokens; its metadata is corrupt: convert the model again")
     try:
         tokenizer = tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except KeyError as err:  # transformers' reading of the tokenizer.ggml.* fields looks each up by name
