@@ -407,6 +407,17 @@ def test_a_drafter_failing_one_request_costs_it_only_its_drafts(tiny_llama_dir, 
     metrics = ServerMetrics("tiny")
     metrics.record_engine_state(engine_state(engine))
     assert 'specray_spec_drafting_failures_total{model="tiny"} 1.0' in metrics.render().decode()
+    if what == "parents":  # a drafter whose shutdown raises: the error comes out, the workers are released still
+        released, release = [], engine.executor.shutdown
+        engine.executor.shutdown = lambda: released.append(release())
+
+        def fails():
+            raise RuntimeError("shutdown failed on purpose")
+
+        bad.shutdown = fails
+        with pytest.raises(RuntimeError, match="shutdown failed on purpose"):
+            llm.shutdown()
+        assert released
 
 
 # ---- seeded sampling: the target samples each position alone, so drafts cannot change a seeded output ----------

@@ -251,9 +251,11 @@ class LLMEngine:
         """Release the executor's workers and a remote drafter; every request the engine holds is dropped."""
         self.is_shut_down = True
         self.abort_request(list(self.tracked))
-        if self.drafter is not None:
-            self.drafter.shutdown()
-        self.executor.shutdown()
+        try:
+            if self.drafter is not None:
+                self.drafter.shutdown()
+        finally:  # a drafter's failing shutdown (a user-provided drafter's bug) still releases the workers
+            self.executor.shutdown()
 
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
