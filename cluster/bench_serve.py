@@ -80,6 +80,9 @@ class BenchConfig:
     api_key: str | None = None  # sent as "Authorization: Bearer <api_key>" (a server started with --api-key)
 
     def validate(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url={self.base_url!r} must start with http:// or https://, e.g. "
+                             "--base-url http://127.0.0.1:8000")
         self.base_url = server_root(self.base_url)
         if not self.prompts:
             raise ValueError("no prompts: give --prompt or --input (a JSONL file of {\"prompt\": ...} lines)")

@@ -296,8 +296,10 @@ def _add_bench_parser(sub) -> None:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients (default 8)")
     load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--duration", type=float, default=None, help="send requests for this many seconds instead")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests to send (default 100, or with --duration: no bound)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="send requests for this many seconds (with --num-requests: until either is reached)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
@@ -599,7 +601,7 @@ def cmd_bench_serve(args) -> int:
     concurrency = 8 if args.concurrency is None and args.request_rate is None else args.concurrency
     model = args.model[0] if args.model and len(args.model) == 1 else args.model
     summary = benchmark(base_url=args.base_url, model=model, prompts=read_prompts(args),
-                        num_requests=None if args.duration is not None else args.num_requests,
+                        num_requests=100 if args.num_requests is None and args.duration is None else args.num_requests,
                         duration_s=args.duration, concurrency=concurrency, request_rate=args.request_rate,
                         max_tokens=args.max_tokens, temperature=args.temperature, stream=args.stream,
                         chat=args.chat, timeout_s=args.timeout,

@@ -221,11 +221,19 @@ def test_bench_serve_against_no_server(capsys):
     assert rc == 1 and (summary["completed"], summary["failed"]) == (0, 2) and summary["errors"]
 
 
+def test_bench_serve_num_requests_bounds_a_timed_run(capsys):
+    """--num-requests with --duration: the run ends at whichever comes first, not at the duration alone."""
+    rc = main(["bench-serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--prompt", "hi",
+               "--num-requests", "2", "--duration", "2", "--concurrency", "1", "--json"])
+    assert rc == 1 and json.loads(capsys.readouterr().out)["num_requests"] == 2
+
+
 @pytest.mark.parametrize("flags, says", [(["--concurrency", "0"], "concurrency=0 must be >= 1"),
                                          (["--duration", "0"], "duration_s=0.0 must be > 0 seconds"),
                                          (["--duration", "-5"], "duration_s=-5.0 must be > 0 seconds"),
                                          (["--max-tokens", "0"], "max_tokens=0 must be >= 1"),
-                                         (["--timeout", "0"], "timeout_s=0.0 must be > 0 seconds")])
+                                         (["--timeout", "0"], "timeout_s=0.0 must be > 0 seconds"),
+                                         (["--base-url", "127.0.0.1:9"], "must start with http:// or https://")])
 def test_bench_serve_refuses_loads_that_send_nothing(capsys, flags, says):
     """A load that would send nothing, wait forever or quietly run otherwise is refused before any request."""
     assert main(["bench-serve", "--base-url", "http://127.0.0.1:9", "--prompt", "hi", *flags]) == 2
