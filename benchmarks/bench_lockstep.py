@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offline's prompts (scripts run standalone)
-from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, add_spec_args, chat_prompts, spec_rows  # noqa: E402
+from bench_offline import (KV_BYTES, PROMPT_SETS, add_common_args, add_spec_args, chat_prompts,  # noqa: E402
+                           check_common_args, spec_rows)
 
 
 def build(model, spec, batch):
@@ -145,6 +146,9 @@ def main():
                         help="print the oracle ceiling of the --spec row FIXED_ROW (a fixed K, adaptive false), its "
                              "step cost fitted on the COSTED rows (the same drafter at other K), decode steps only")
     args = parser.parse_args()
+    check_common_args(parser, args)
+    if args.batch < 1 or args.repeats < 1:
+        parser.error("--batch and --repeats take 1 or more")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
 

@@ -173,6 +173,36 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         "list (each K runs with each)")
 
 
+def int_list(parser: argparse.ArgumentParser, flag: str, text: str, allowed=None) -> list[int]:
+    """A comma list of ints >= 1 (or of ``allowed``), else the parser's error naming the flag."""
+    items = text.split(",")
+    if not all(i.strip().isdigit() and int(i) >= 1 for i in items) or (
+            allowed and not set(map(int, items)) <= set(allowed)):
+        parser.error(f"{flag} {text}: give a comma list of "
+                     + (" or ".join(map(str, allowed)) if allowed else "whole numbers >= 1"))
+    return [int(i) for i in items]
+
+
+def check_common_args(parser: argparse.ArgumentParser, args) -> None:
+    """The shared options (and ``--kinds``, ``--spec``) checked before any model loads: a bad one is the parser's
+    error naming it, not a traceback later or a row that measures something else than it names."""
+    unknown = sorted(set(args.kinds.split(",")) - set(PROMPT_SETS))
+    if unknown:
+        parser.error(f"--kinds {args.kinds}: unknown {unknown}; give a comma list of {', '.join(PROMPT_SETS)}")
+    if args.max_tokens < 1 or args.threads < 1:
+        parser.error("--max-tokens and --threads take 1 or more")
+    int_list(parser, "--num-spec-tokens", args.num_spec_tokens)
+    int_list(parser, "--prompt-lookup-min", args.prompt_lookup_min)
+    for row in getattr(args, "spec", []):
+        name, eq, config = row.partition("={")
+        try:
+            value = json.loads("{" + config) if eq and name else None
+        except json.JSONDecodeError as err:
+            parser.error(f"--spec {row}: not a JSON object after NAME= ({err})")
+        if not isinstance(value, dict):
+            parser.error(f"--spec {row}: give NAME=JSON, e.g. 'suffix={{\"method\": \"suffix\"}}'")
+
+
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     """Rows beyond the ngram grid (bench_lockstep.py and bench_replay.py)."""
     parser.add_argument("--spec", action="append", default=[], metavar="NAME=JSON",
@@ -200,7 +230,7 @@ def ngram_specs(args) -> dict[str, dict]:
     return specs
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     add_common_args(parser)
     parser.add_argument("--ignore-eos", action="store_true",
@@ -216,7 +246,13 @@ def main():
     parser.add_argument("--only", default=None, help="comma list of rows to run, e.g. 'specray ngram'")
     parser.add_argument("--kinds", default="input-grounded,open-ended")
     parser.add_argument("--batches", default="1,8", help="the specray rows' batch modes: 1, 8 or 1,8")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_common_args(parser, args)
+    int_list(parser, "--batches", args.batches, allowed=(1, 8))
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more")
+    if args.modes and not set(args.modes.split(",")) <= {"eager", "graphs"}:
+        parser.error(f"--modes {args.modes}: give a comma list of eager, graphs")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
 
@@ -233,6 +269,10 @@ def main():
     if not args.no_draft_model_row:
         specs["specray draft_model (self-draft, K=3)"] = {"method": "draft_model", "model": model,
                                                           "num_speculative_tokens": 3}
+    names = {*specs, *(() if args.skip_hf else ("transformers generate", f"transformers prompt lookup (K={ks[0]})"))}
+    unknown = set(args.only.split(",")) - names - {f"{n}, {m}" for n in names for m in modes} if args.only else ()
+    if unknown:
+        parser.error(f"--only {args.only}: no row named {sorted(unknown)}; the rows: {sorted(names)}")
     hf_dtype = torch.float32 if args.dtype == "auto" and args.device == "cpu" else (
         torch.bfloat16 if args.dtype == "auto" else getattr(torch, args.dtype))
     device = ""

@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offline's prompts (scripts run standalone)
-from bench_offline import KV_BYTES, PROMPT_SETS, add_common_args, add_spec_args, chat_prompts, spec_rows  # noqa: E402
+from bench_offline import (KV_BYTES, PROMPT_SETS, add_common_args, add_spec_args, chat_prompts,  # noqa: E402
+                           check_common_args, int_list, spec_rows)
 
 from specray.contract import StepPlan, StepResult  # noqa: E402
 
@@ -253,6 +254,8 @@ def main():
                         "\"logits\": {rows: seconds}}): read if it exists (say, one measured on other hardware, or "
                         "a synthetic one), else measured here and written")
     args = parser.parse_args()
+    check_common_args(parser, args)
+    int_list(parser, "--batch", args.batch)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
 

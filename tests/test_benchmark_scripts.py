@@ -29,6 +29,11 @@ def _script(name: str):
     ("bench_overhead", ["--async-scheduling", "maybe"], "--async-scheduling maybe: expected a comma list of off, on"),
     ("bench_overhead", ["--ngram-index", "rust"], "--ngram-index rust: expected c or python"),
     ("bench_overhead", ["--methods", "ngram,bogus"], "speculative_config.method='bogus' is unknown"),
+    ("bench_offline", ["--batches", "1,3"], "--batches 1,3: give a comma list of 1 or 8"),  # (3 ran batch 1)
+    ("bench_offline", ["--modes", "eagr"], "--modes eagr: give a comma list of eager, graphs"),
+    ("bench_offline", ["--kinds", "open-ended,bogus"], "--kinds open-ended,bogus: unknown ['bogus']"),
+    ("bench_offline", ["--spec", "x=notjson"], "--spec x=notjson: give NAME=JSON"),
+    ("bench_offline", ["--repeats", "0"], "--repeats 0: give 1 or more"),
 ])
 def test_bad_options_are_refused_before_anything_runs(capsys, name, argv, says):
     with pytest.raises(SystemExit) as exit_:
