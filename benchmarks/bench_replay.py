@@ -238,6 +238,12 @@ def replay(model_path: str, spec: dict | None, batch: int, cost: CostCurve, prom
     return {"seconds": executor.now, "tokens": tokens, "steps": steps, "stats": engine.spec_stats}
 
 
+def answers_key(kind: str, max_tokens: int) -> str:
+    """Where ``--answers`` keeps a prompt set's answers: per --max-tokens too, so that a run never replays answers
+    recorded at another length (an earlier file's answers, keyed by the set alone, are recorded again)."""
+    return f"{kind}, max_tokens={max_tokens}"
+
+
 def main():
     parser = argparse.ArgumentParser()
     add_common_args(parser)
@@ -248,8 +254,9 @@ def main():
     add_spec_args(parser)
     parser.add_argument("--host-time", action="store_true", help="charge each step's host work too (drafting, "
                         "scheduling: the wall time of a step outside the executor, measured while replaying)")
-    parser.add_argument("--answers", type=Path, help="a JSON file of recorded answers: read if it exists, "
-                        "else written (record once, replay many times)")
+    parser.add_argument("--answers", type=Path, help="a JSON file of recorded answers, by prompt set "
+                        "and --max-tokens: those it holds are read, the others recorded and added (record once, "
+                        "replay many times)")
     parser.add_argument("--cost-curve", type=Path, help="a JSON cost curve ({\"body\": {tokens: seconds}, "
                         "\"logits\": {rows: seconds}}): read if it exists (say, one measured on other hardware, or "
                         "a synthetic one), else measured here and written")
@@ -277,15 +284,18 @@ def main():
           + "; logits(m): " + ", ".join(f"{m}: {t * 1e3:.1f}" for m, t in cost.logits.items()) + "\n")
     specs = spec_rows(args)
     recorded = json.loads(args.answers.read_text()) if args.answers and args.answers.exists() else {}
+    new_answers = False
     print("| prompts | batch | system | replayed tokens/s | steps | mean accepted length | ratio to plain |\n"
           "|---|---|---|---|---|---|---|")
     tokenizer = load_tokenizer(model)
     for kind in args.kinds.split(","):
         prompt_ids = [tokenizer.encode(t) for t in chat_prompts(tokenizer, PROMPT_SETS[kind])]
-        if kind not in recorded:
-            recorded[kind] = record(model, prompt_ids, args.max_tokens)
+        key = answers_key(kind, args.max_tokens)
+        if key not in recorded:
+            recorded[key] = record(model, prompt_ids, args.max_tokens)
+            new_answers = True
         copies = 1 if args.once else 2
-        prompt_ids, answers = prompt_ids * copies, recorded[kind] * copies
+        prompt_ids, answers = prompt_ids * copies, recorded[key] * copies
         run = partial(replay, model, prompt_ids=prompt_ids, answers=answers, max_tokens=args.max_tokens,
                       cost=cost, host_time=args.host_time)
         for batch in (int(b) for b in args.batch.split(",")):
@@ -299,7 +309,7 @@ def main():
                 mal = r["stats"].mean_accepted_length if r["stats"].drafts else float("nan")
                 print(f"| {kind} | {batch} | {name} | {r['tokens'] / r['seconds']:.1f} | {r['steps']} | {mal:.2f} | "
                       f"{plain['seconds'] / r['seconds']:.3f} |", flush=True)
-    if args.answers and not args.answers.exists():
+    if args.answers and new_answers:
         args.answers.write_text(json.dumps(recorded))
 
 

@@ -40,3 +40,13 @@ def test_bad_options_are_refused_before_anything_runs(capsys, name, argv, says):
         _script(name).main(argv)
     captured = capsys.readouterr()
     assert exit_.value.code == 2 and says in captured.err and "|" not in captured.out
+
+
+def test_replay_answers_are_kept_per_max_tokens():
+    """bench_replay's --answers file never hands a run answers recorded at another --max-tokens."""
+    sys.path.insert(0, str(BENCHMARKS))  # (bench_replay imports bench_offline)
+    try:
+        key = _script("bench_replay").answers_key
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert key("open-ended", 8) != key("open-ended", 128) and "open-ended" not in {key("open-ended", 8)}
