@@ -294,6 +294,10 @@ def _checkpoint(folder, **options) -> str:
     (lambda tmp: run(PipelineConfig("unused", str(tmp / "out"), head_dir=str(tmp / "file"))),
      r"^head_dir='.*file' cannot be made \(File exists\); pass a folder you can write to"),
     (lambda tmp: PipelineConfig("unused", str(tmp), num_threads=0), r"^num_threads=0 must be an int >= 1"),
+    # a target too shallow for EAGLE-3's three feature layers: said before the data stage loads it
+    (lambda tmp: run(PipelineConfig(_written(tmp / "m" / "config.json", json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 2})) and str(tmp / "m"), str(tmp / "o"))),
+     r"^num_hidden_layers=2: EAGLE-3's features .* the target needs 3 layers or more"),
     (lambda tmp: PipelineConfig("unused", str(tmp), stages=()), r"^stages=\(\) is empty: nothing would run"),
     # a prompt file's faults: said before the target (here none) is loaded
     (lambda tmp: run(PipelineConfig("unused", str(tmp), data=DataConfig(

@@ -72,6 +72,10 @@ LAYOUTS = {
 
 def eagle3_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
     """The target layers whose input residual stream EAGLE-3 reads (as the EAGLE repository and vLLM do)."""
+    if num_target_layers < 3:
+        raise ValueError(f"num_hidden_layers={num_target_layers}: EAGLE-3's features (which DFlash reads too) are the "
+                         "target's layers 2, L // 2 and L - 3, so the target needs 3 layers or more; for this one, "
+                         "use a method that reads the last hidden state (eagle, mtp, medusa)")
     return (2, num_target_layers // 2, num_target_layers - 3)
 
 

@@ -89,6 +89,8 @@ def run(config: PipelineConfig) -> dict:
 
         # the folder's prompts, and the prompt file's, checked before the target loads
         (kept_prompts if config.data.prompt_file is None else file_prompts)(config.data, config.out_dir)
+        if config.train.method in ("eagle3", "dflash"):  # a target too shallow for their features: said before the data
+            feature_layers(config.train.method, load_hf_config(config.model).num_hidden_layers)
         llm = LLM(config.model, max_num_seqs=config.data.max_num_seqs, num_threads=config.num_threads)
         prompts = make_prompts(llm, config.data, config.out_dir,
                                progress=lambda a, b: _say(f"prompts {a}/{b}"))
