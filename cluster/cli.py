@@ -60,10 +60,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest match (default 4)")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --num-spec-tokens tokens")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
+    p.add_argument("--dtype", default=None, help="auto (the default), float32, float16 or bfloat16")
+    p.add_argument("--seed", type=int, default=None, help="(default 0)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, help="(default 1)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
                    help="uni: this process; ray: Ray actors (default: uni at TP 1, else ray)")
     _add_prefix_caching_arg(p, on_by_default=False)
@@ -454,17 +454,15 @@ def engine_kwargs(args) -> dict:
         spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens,
                 "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
                 "model": args.draft_model, "adaptive": not args.no_adaptive}
-    kwargs = dict(model=args.model or default_model_path(), speculative_config=spec,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                  seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                  distributed_executor_backend=args.distributed_executor_backend)
-    if args.enable_prefix_caching is not None:
-        kwargs["enable_prefix_caching"] = args.enable_prefix_caching
-    for flag in ("enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format", "trust_remote_code",
-                 "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides", "limit_mm_per_prompt",
-                 "media_io_kwargs", *_SIZING_FLAGS):
-        if getattr(args, flag) is not None:
-            kwargs[flag] = getattr(args, flag)
+    given = {flag: getattr(args, flag) for flag in (
+        "max_model_len", "max_num_seqs", "dtype", "seed", "tensor_parallel_size", "distributed_executor_backend",
+        "enable_prefix_caching", "enforce_eager", "async_scheduling", "gpu_memory_utilization", "load_format",
+        "trust_remote_code", "kv_cache_dtype", "mamba_ssm_cache_dtype", "quantization", "hf_overrides",
+        "limit_mm_per_prompt", "media_io_kwargs", *_SIZING_FLAGS) if getattr(args, flag) is not None}
+    if args.model is not None:
+        given["model"] = args.model
+    if spec is not None:
+        given["speculative_config"] = spec
     extra = parse_engine_kwargs(args.engine_kwargs)
     from specray.config import EngineArgs
 
@@ -472,10 +470,14 @@ def engine_kwargs(args) -> dict:
     unknown = sorted(set(extra) - names)
     if unknown:
         raise ValueError(f"--engine-kwargs has unknown keys {unknown}; EngineArgs fields: {sorted(names)}")
-    for key in ("model", "speculative_config"):
-        if key in extra and getattr(args, key if key == "model" else "spec_method") is not None:
-            raise ValueError(f"{key} is given both by a flag and in --engine-kwargs; give it once")
-    return {**kwargs, **extra}  # --engine-kwargs over the other flags' defaults
+    twice = sorted(set(given) & set(extra))
+    if twice:  # (a flag's value is not silently replaced, nor the other way round)
+        raise ValueError(f"{', '.join(twice)} {'is' if len(twice) == 1 else 'are'} given both by a flag and in "
+                         "--engine-kwargs; give each once")
+    kwargs = {**given, **extra}  # the flags not given keep EngineArgs' defaults
+    if "model" not in kwargs:
+        kwargs["model"] = default_model_path()
+    return kwargs
 
 
 def read_prompts(args) -> list:

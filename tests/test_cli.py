@@ -569,6 +569,14 @@ def test_generate_passes_engine_arguments_through(tiny_llama_dir, capsys):
     assert engine_args.speculative_config.num_speculative_tokens == 2 and engine_args.block_size == 32
     assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--engine-kwargs", "blok=1"]) == 2
     assert "blok" in capsys.readouterr().err
+    # a flag given and the same key in --engine-kwargs: refused (--max-num-seqs 4 was silently replaced by 2)
+    for flags in (["--max-num-seqs", "4", "--engine-kwargs", "max_num_seqs=2"],
+                  ["--speculative-config", '{"method": "ngram"}', "--engine-kwargs", '{"speculative_config": {}}']):
+        args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+        with pytest.raises(ValueError, match=r"^(max_num_seqs|speculative_config) is given both by a flag and in "):
+            engine_kwargs(args)
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", "--engine-kwargs", "seed=3"])
+    assert engine_kwargs(args) == {"model": "m", "seed": 3}  # the flags not given leave EngineArgs' defaults
     # --spec-method's options without it (they were ignored: the run decoded plainly)
     for flags in (["--num-spec-tokens", "0"], ["--draft-model", "d", "--no-adaptive"]):
         args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
