@@ -515,6 +515,14 @@ def _prompt_line(args, n: int, line: str) -> dict:
     if args.chat and "prompt" not in item:
         raise ValueError(f"{where}: --chat needs text prompts ({{\"prompt\": \"...\"}}): a chat turn is text, and "
                          "the chat template writes its tokens")
+    # what LLM.generate reads of a dict prompt; a chat turn and a bench-serve request take the prompt alone
+    read = {"prompt", "prompt_token_ids"} | (set() if args.chat or args.command != "generate" else
+                                             {"cache_salt", "multi_modal_data"})
+    ignored = sorted(set(item) - read)
+    if ignored:
+        raise ValueError(f"{where}: {', '.join(map(repr, ignored))} would be ignored: a line gives a prompt "
+                         f"({', '.join(sorted(read))}), and the flags (--max-tokens, --temperature, ...) apply to "
+                         "every line; leave it out")
     return item
 
 

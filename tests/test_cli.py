@@ -54,7 +54,10 @@ def test_generate_jsonl_input(tiny_llama_dir, tmp_path, capsys):
     assert "missing.jsonl: cannot read it" in capsys.readouterr().err
     for text, flags, says in (('{"prompt_token_ids": [5, 6]}\n', ["--chat"], ":1: --chat needs text prompts"),
                               ('{"prompt": 123}\n', [], ':1: "prompt" is 123; give a string'),
-                              ("\n\n", [], "holds no prompts")):
+                              ("\n\n", [], "holds no prompts"),
+                              # keys nothing reads (they were ignored silently: a line's max_tokens ran 128)
+                              ('{"prompt": "x", "max_tokens": 5}\n', [], ":1: 'max_tokens' would be ignored"),
+                              ('{"prompt": "x", "cache_salt": "a"}\n', ["--chat"], ":1: 'cache_salt' would be")):
         path.write_text(text)
         assert main(["generate", "--model", "/no/such/model", "--input", str(path), *flags]) == 2, text
         assert says in capsys.readouterr().err, text
