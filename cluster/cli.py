@@ -451,6 +451,9 @@ def engine_kwargs(args) -> dict:
         if spec is not None:
             raise ValueError("--spec-method and --speculative-config are both given; put the method into "
                              "--speculative-config")
+        if args.spec_method == "draft_model" and not args.draft_model:
+            raise ValueError("--spec-method draft_model needs --draft-model PATH: a smaller model (an HF folder, "
+                             ".gguf file or hub id) that drafts for the target")
         spec = {"method": args.spec_method, "num_speculative_tokens": args.num_spec_tokens,
                 "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
                 "model": args.draft_model, "adaptive": not args.no_adaptive}

@@ -383,6 +383,9 @@ def _apply_shorthands(args: dict[str, Any], merged: dict[str, Any]) -> None:
         raise ValueError(f"{_key_names(spec_keys)} {'needs' if len(spec_keys) == 1 else 'need'} "
                          f"{_key_names(['spec_method'])}, or give {_key_names(['speculative_config'])} instead "
                          '(e.g. {"method": "ngram", "num_speculative_tokens": 5})')
+    if values.get("spec_method") == "draft_model" and "draft_model" not in values:
+        raise ValueError(f"{_key_names(['spec_method'])} draft_model needs {_key_names(['draft_model'])}: a smaller "
+                         "model (an HF folder, .gguf file or hub id) that drafts for the target")
     for section in {SHORTHANDS[k][0] for k in values}:
         if merged.get(section) is not None:
             keys = [k for k in values if SHORTHANDS[k][0] == section]

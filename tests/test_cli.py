@@ -318,6 +318,8 @@ def test_serve_passes_engine_arguments_through(tiny_llama_dir, capsys, no_ray):
                              "num_speculative_tokens=3 is smaller than method='lookahead''s tree"),
                             (["--num-spec-tokens", "4"], "num_spec_tokens (--num-spec-tokens) needs spec_method "
                                                          "(--spec-method), or give speculative_config"),
+                            (["--spec-method", "draft_model"],
+                             "spec_method (--spec-method) draft_model needs draft_model (--draft-model)"),
                             (["--engine-kwargs", "model=/x"], "model is given both")):
         assert main(["serve", "--model", str(tiny_llama_dir), "--port", port, *flags]) == 2, flags
         err = capsys.readouterr().err
@@ -589,6 +591,9 @@ def test_generate_passes_engine_arguments_through(tiny_llama_dir, capsys):
                                       '{"method": "ngram"}'])
     with pytest.raises(ValueError, match="--num-spec-tokens is an option of --spec-method"):
         engine_kwargs(args)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--spec-method", "draft_model"])
+    with pytest.raises(ValueError, match="^--spec-method draft_model needs --draft-model PATH"):
+        engine_kwargs(args)  # (it said speculative_config.model, a name the command line never shows)
 
 
 def test_train_draft_runs_its_stages_and_refuses_unknown_ones(tiny_llama_dir, tmp_path, capsys):
