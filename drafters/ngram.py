@@ -81,7 +81,7 @@ class NgramOptions:
     ALIASES: ClassVar[dict[str, str]] = {"max_matching_ngram_size": "prompt_lookup_max"}  # TensorRT-LLM's name
 
     prompt_lookup_min: int | None = None  # shortest match drafted from; None: 2, or prompt_lookup_max if smaller
-    prompt_lookup_max: int = 4  # longest match looked for (the longest found wins)
+    prompt_lookup_max: int | None = None  # longest match looked for (the longest wins); None: 4, or the min if larger
     is_public_pool: bool = False  # one pool for every request (and, with a pool_name, every replica)
     is_keep_all: bool = True  # keep every sighting of an n-gram (False: only the newest)
     is_use_oldest: bool = True  # propose the oldest sighting's continuation (False: the newest's)
@@ -92,6 +92,8 @@ class NgramOptions:
     max_tree_refs: int = 32  # sightings of the matched n-gram a tree is read from
 
     def __post_init__(self) -> None:
+        if self.prompt_lookup_max is None:  # as vLLM: a min given alone is never refused for a max it did not give
+            self.prompt_lookup_max = max(4, self.prompt_lookup_min) if _is_count(self.prompt_lookup_min) else 4
         if self.prompt_lookup_min is None:
             self.prompt_lookup_min = min(2, self.prompt_lookup_max) if _is_count(self.prompt_lookup_max) else 2
         for name in ("prompt_lookup_min", "prompt_lookup_max"):

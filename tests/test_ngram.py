@@ -229,6 +229,19 @@ def test_trt_spelled_config_keys():
                               CTX), [1, 5, 2, 9, 1, 6, 2]) == [9, 1, 6, 2]
 
 
+def test_a_lookup_bound_given_alone_moves_the_other_default():
+    """As vLLM: prompt_lookup_min above the default max (4) raises the max to it, rather than a refusal naming a
+    max the user did not give; a max below the default min (2) lowers the min."""
+    drafter = make(prompt_lookup_min=5)
+    assert (drafter.options.prompt_lookup_min, drafter.options.prompt_lookup_max) == (5, 5)
+    assert draft(drafter, [1, 2, 3, 4, 5, 9, 0, 2, 3, 4, 5]) == []  # a 4-gram match is shorter than min
+    assert draft(drafter, [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5]) == [9, 1, 2, 3]
+    assert make(prompt_lookup_max=1).options.prompt_lookup_min == 1
+    assert make(prompt_lookup_min=3).options.prompt_lookup_max == 4
+    with pytest.raises(ValueError, match="prompt_lookup_min=5 and prompt_lookup_max=4"):
+        make(prompt_lookup_min=5, prompt_lookup_max=4)
+
+
 def test_bad_pool_settings():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramPool(3, 2, 4)
