@@ -108,6 +108,9 @@ class NgramOptions:
         if self.max_pool_entries is not None and not _is_count(self.max_pool_entries):
             raise ValueError(f"speculative_config.max_pool_entries={self.max_pool_entries!r} must be an int >= 1 "
                              "(or None for the default cap)")
+        if self.max_pool_entries is not None and not self.is_public_pool:
+            raise ValueError(f"speculative_config.max_pool_entries={self.max_pool_entries!r} caps the public pool only "
+                             "(a request's own pool holds its history); set is_public_pool=True, or remove it")
         for name in ("num_branches", "max_tree_refs"):
             if not _is_count(getattr(self, name)):
                 raise ValueError(f"speculative_config.{name}={getattr(self, name)!r} must be an int >= 1")

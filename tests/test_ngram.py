@@ -245,6 +245,9 @@ def test_a_lookup_bound_given_alone_moves_the_other_default():
 def test_bad_pool_settings():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramPool(3, 2, 4)
+    with pytest.raises(ValueError, match="max_pool_entries=10 caps the public pool only"):
+        make(max_pool_entries=10)  # a private pool would ignore it
+    assert make(max_pool_entries=10, is_public_pool=True).shared_pool.max_pool_entries == 10
     with pytest.raises(ValueError, match="max_pool_entries"):
         NgramPool(1, 2, 4, max_pool_entries=0)
     pool = NgramPool(1, 2, 4)
