@@ -51,19 +51,29 @@ DEFAULT_POOL_SIZE = 4 * 1024 * 1024  # slots (int32 each): 16 MiB
 
 @dataclass
 class NgramModOptions:
-    """``speculative_config`` keys of ``method="ngram_mod"`` (llama.cpp's names and defaults)."""
+    """``speculative_config`` keys of ``method="ngram_mod"`` (llama.cpp's names; the defaults of its ngram-mod
+    sample usage, ``--draft-min 48 --draft-max 64``, not its global ``--draft-min 0 --draft-max 16``)."""
 
     ngram_size_n: int = 24  # --spec-ngram-mod-n-match: tokens hashed per lookup (small n are not recommended)
-    draft_min: int = 48  # --draft-min: a chain that breaks before this many tokens is dropped
-    draft_max: int = 64  # --draft-max: the longest chain (and at most the draft count asked for)
+    # --draft-min: a chain that breaks before this many tokens is dropped; None: 48, or draft_max if smaller
+    draft_min: int | None = None
+    # --draft-max: the longest chain (and at most the draft count asked for); None: 64, or draft_min if larger
+    draft_max: int | None = None
     pool_size: int = DEFAULT_POOL_SIZE  # slots of the shared table (4 bytes each)
     reset_occupancy: float = 0.25  # clear the pool when a request arrives and more slots are filled (0: never)
     reset_low_streak: int = 0  # clear it after this many poorly accepted proposals in a row (0: never)
 
     def __post_init__(self) -> None:
         check_int(METHOD, "ngram_size_n", self.ngram_size_n, 1, 1024, what="llama.cpp's --spec-ngram-mod-n-match")
-        check_int(METHOD, "draft_min", self.draft_min, 0, 1024, what="llama.cpp's --draft-min")
+        # one of draft_min / draft_max given alone is never refused for the other's default, which follows it
+        if self.draft_max is None:
+            check_int(METHOD, "draft_min", 48 if self.draft_min is None else self.draft_min, 0, 1024,
+                      what="llama.cpp's --draft-min")
+            self.draft_max = max(64, self.draft_min or 0)
         check_int(METHOD, "draft_max", self.draft_max, 1, 1024, what="llama.cpp's --draft-max")
+        if self.draft_min is None:
+            self.draft_min = min(48, self.draft_max)
+        check_int(METHOD, "draft_min", self.draft_min, 0, 1024, what="llama.cpp's --draft-min")
         if self.draft_min > self.draft_max:
             raise ValueError(f"speculative_config.draft_min={self.draft_min} and draft_max={self.draft_max} must "
                              f"satisfy draft_min <= draft_max for method={METHOD!r}")

@@ -68,6 +68,9 @@ def test_llama_cpp_defaults():
     mod = options_of(spec("ngram_mod"))
     assert (mod.ngram_size_n, mod.draft_min, mod.draft_max, mod.pool_size) == (24, 48, 64, 4 << 20)
     assert (mod.reset_occupancy, mod.reset_low_streak) == (0.25, 0)  # the streak reset is opt-in (module doc)
+    # one of draft_min / draft_max given alone moves the other's default (not a refusal naming a value not given)
+    assert options_of(SpeculativeConfig(method="ngram_mod", draft_max=16)).draft_min == 16
+    assert options_of(SpeculativeConfig(method="ngram_mod", draft_min=100)).draft_max == 100
     assert options_of(spec("ngram_cache")).static_cache_path is None
 
 
