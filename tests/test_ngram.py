@@ -248,6 +248,9 @@ def test_bad_pool_settings():
     with pytest.raises(ValueError, match="max_pool_entries=10 caps the public pool only"):
         make(max_pool_entries=10)  # a private pool would ignore it
     assert make(max_pool_entries=10, is_public_pool=True).shared_pool.max_pool_entries == 10
+    with pytest.raises(ValueError, match="max_tree_refs=3 sizes token trees"):
+        make(max_tree_refs=3)  # chains would ignore it
+    assert make(max_tree_refs=3, num_branches=2).options.max_tree_refs == 3 and make().options.max_tree_refs == 32
     with pytest.raises(ValueError, match="max_pool_entries"):
         NgramPool(1, 2, 4, max_pool_entries=0)
     pool = NgramPool(1, 2, 4)
