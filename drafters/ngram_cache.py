@@ -82,7 +82,7 @@ class NgramCacheOptions:
 
     static_cache_path: str | None = None  # llama.cpp's --lookup-cache-static (format in the module docstring)
     use_dynamic_cache: bool = True  # learn across requests: finished requests' counts join a shared table
-    max_dynamic_ngrams: int = 1 << 20  # n-grams the dynamic table keeps (the first added go first)
+    max_dynamic_ngrams: int | None = None  # n-grams the dynamic table keeps (the first added go first); None: 2^20
 
     def __post_init__(self) -> None:
         if self.static_cache_path is not None and (not isinstance(self.static_cache_path, (str, os.PathLike))
@@ -91,6 +91,12 @@ class NgramCacheOptions:
                              f"a static n-gram cache file (build one with specray.drafters.ngram_cache."
                              f"build_static_cache) or None for method={METHOD!r}")
         check_bool(METHOD, "use_dynamic_cache", self.use_dynamic_cache)
+        if self.max_dynamic_ngrams is not None and self.use_dynamic_cache is False:
+            raise ValueError(f"speculative_config.max_dynamic_ngrams={self.max_dynamic_ngrams!r} bounds the dynamic "
+                             f"table, which use_dynamic_cache=False turns off for method={METHOD!r}; remove it, or "
+                             "set use_dynamic_cache=True")
+        if self.max_dynamic_ngrams is None:
+            self.max_dynamic_ngrams = 1 << 20
         check_int(METHOD, "max_dynamic_ngrams", self.max_dynamic_ngrams, 1, what="n-grams the dynamic table keeps")
 
 

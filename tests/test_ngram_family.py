@@ -72,6 +72,7 @@ def test_llama_cpp_defaults():
     assert options_of(SpeculativeConfig(method="ngram_mod", draft_max=16)).draft_min == 16
     assert options_of(SpeculativeConfig(method="ngram_mod", draft_min=100)).draft_max == 100
     assert options_of(spec("ngram_cache")).static_cache_path is None
+    assert options_of(spec("ngram_cache")).max_dynamic_ngrams == 1 << 20
 
 
 # ---------------------------------------------------------------------------------------------- ngram_simple
@@ -505,6 +506,7 @@ def test_finish_forgets_and_a_preempted_request_comes_back(method):
     ("ngram_mod", {"ngram_size_n": 2000}, r"ngram_size_n=2000 must be an int in \[1, 1024\]"),
     ("ngram_cache", {"static_cache_path": 5}, r"static_cache_path=5 must be the path"),
     ("ngram_cache", {"max_dynamic_ngrams": 0}, r"max_dynamic_ngrams=0 must be an int >= 1"),
+    ("ngram_cache", {"max_dynamic_ngrams": 5, "use_dynamic_cache": False}, r"max_dynamic_ngrams=5 bounds the dynamic"),
 ])
 def test_options_validation(method, options, message):
     with pytest.raises(ValueError, match=message):
