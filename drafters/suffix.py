@@ -117,7 +117,7 @@ class SuffixOptions:
     }
 
     max_tree_depth: int = 24  # D: the longest match plus draft depth the tries hold
-    max_cached_requests: int = 10000  # finished requests kept in the global trie (0: none)
+    max_cached_requests: int | None = None  # finished requests kept in the global trie (0: none); None: 10000
     max_spec_factor: float = 1.0  # drafts per matched token: budget = ceil(factor * m + offset)
     max_spec_offset: float = 0.0  # added to factor * m (negative: demand longer matches)
     min_token_prob: float = 0.1  # drop draft nodes whose path probability is below this
@@ -129,6 +129,12 @@ class SuffixOptions:
     def __post_init__(self) -> None:
         _check_int("max_tree_depth", self.max_tree_depth, 2,
                    "a match of one token needs one more level for what follows it; vLLM's default is 24")
+        if self.max_cached_requests is not None and self.use_global_tree is False:
+            raise ValueError(f"speculative_config.max_cached_requests={self.max_cached_requests!r} sizes the global "
+                             "tree of finished requests, which use_global_tree=False turns off; remove it, or set "
+                             "use_global_tree=True")
+        if self.max_cached_requests is None:
+            self.max_cached_requests = 10000
         _check_int("max_cached_requests", self.max_cached_requests, 0,
                    "0 keeps no finished requests; the global trie's memory grows with this bound")
         _check_real("max_spec_factor", self.max_spec_factor, 0.0, None, "e.g. 1.0: one draft per matched token")

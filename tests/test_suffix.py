@@ -341,6 +341,9 @@ def test_options_are_checked(key, value):
 def test_options_that_never_draft_are_refused():
     with pytest.raises(ValueError, match="allow no draft"):
         options_of(SpeculativeConfig(method="suffix", max_spec_factor=0.0))
+    with pytest.raises(ValueError, match="max_cached_requests=5 sizes the global tree"):  # it would be ignored
+        options_of(SpeculativeConfig(method="suffix", use_global_tree=False, max_cached_requests=5))
+    assert options_of(SpeculativeConfig(method="suffix")).max_cached_requests == 10000
     with pytest.raises(ValueError, match="prompt_lookup_max is an option of method 'ngram'"):
         options_of(SpeculativeConfig(method="suffix", prompt_lookup_max=3))
 
