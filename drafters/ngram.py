@@ -131,6 +131,11 @@ class NgramOptions:
     def proposes_trees(self) -> bool:
         return self.num_branches > 1 or self.speculative_token_tree is not None
 
+    @property
+    def default_draft_count(self) -> int | None:
+        """``num_speculative_tokens`` when it is not given: a static tree's nodes, every one of them (as the heads')."""
+        return None if self.speculative_token_tree is None else len(self.speculative_token_tree)
+
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -242,6 +242,22 @@ def test_a_lookup_bound_given_alone_moves_the_other_default():
         make(prompt_lookup_min=5, prompt_lookup_max=4)
 
 
+def test_a_static_tree_is_drafted_whole_when_the_draft_count_is_not_given():
+    """As the heads' speculative_token_tree: num_speculative_tokens left unset is the tree's node count (it was 5,
+    which cut an 8-node tree to 5 nodes); given, it stays the cap."""
+    from specray.drafters.registry import check
+
+    tree = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0), (0, 0, 0, 0), (1, 0, 0, 0)]"
+    history = [1, 2, 3, 10, 11, 12, 13, 14, 1, 2, 3, 20, 21, 22, 23, 24, 1, 2, 3]
+    for given, nodes in ((None, 8), (5, 5)):
+        spec = SpeculativeConfig.from_any({"method": "ngram", "speculative_token_tree": tree, "adaptive": False,
+                                           **({} if given is None else {"num_speculative_tokens": given})})
+        check(spec)
+        assert spec.num_speculative_tokens == nodes
+        proposal = NgramDrafter(spec, CTX).propose([DraftRequest("r", history, nodes, GREEDY)])[0]
+        assert len(proposal.token_ids) == nodes and proposal.token_ids[:2] == [10, 20]
+
+
 def test_bad_pool_settings():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramPool(3, 2, 4)
