@@ -226,6 +226,13 @@ def test_a_draft_count_left_unset_is_the_methods_own():
         settled(method="lookahead", num_speculative_tokens=5)  # before any engine is built (the server's check)
     assert settled(**SpeculativeConfig.from_any({"method": "lookahead"}).to_dict()) == 15  # unset travels unset
     assert settled(**SpeculativeConfig.from_any({"method": "lookahead", "num_speculative_tokens": 15}).to_dict()) == 15
+    # a tree too large for the context names the options that size it, not only the count it set
+    from specray.engine.builder import check_draft_count
+
+    config = SpeculativeConfig.from_any({"method": "lookahead", "max_window_size": 16})
+    registry.check(config)
+    with pytest.raises(ValueError, match=r"=39 is not below max_model_len=32.* tree of 39 nodes: lower max_window"):
+        check_draft_count(config, 32)
 
 
 def test_a_tree_fitted_to_fewer_drafts_shrinks_the_defaults_least():

@@ -47,9 +47,16 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
 def check_draft_count(spec: SpeculativeConfig | None, max_model_len: int) -> None:
     """A step verifies at most ``num_speculative_tokens`` drafts of one request, all inside its context."""
     if spec is not None and spec.num_speculative_tokens >= max_model_len:
-        raise ValueError(f"speculative_config.num_speculative_tokens={spec.num_speculative_tokens} is not below "
-                         f"max_model_len={max_model_len}: a step cannot verify more tokens than the context holds; "
-                         "lower it (a few to a few tens)")
+        k, options = spec.num_speculative_tokens, registry.options_of(spec)
+        fix = "lower it (a few to a few tens)"
+        if getattr(options, "default_draft_count", None) == k:  # maybe not given: a tree's size set it
+            if spec.method == "lookahead":
+                fix = (f"it is method='lookahead''s whole tree of {k} nodes: lower max_window_size, max_ngram_size "
+                       "or max_verification_set_size")
+            elif getattr(options, "speculative_token_tree", None) is not None:
+                fix = f"it is the speculative_token_tree's {k} nodes: give fewer paths, or num_speculative_tokens"
+        raise ValueError(f"speculative_config.num_speculative_tokens={k} is not below max_model_len={max_model_len}: "
+                         f"a step cannot verify more tokens than the context holds; {fix}")
 
 
 def generation_config(args: EngineArgs) -> dict[str, Any]:
