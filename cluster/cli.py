@@ -56,8 +56,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="draft model for --spec-method draft_model; the head's "
                    "checkpoint for eagle3 / eagle / medusa / redrafter / mlp_speculator / dflash / gemma4_assistant "
                    "(eagle3 on the default model: the bundled head)")
-    p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest match (default 2)")
-    p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest match (default 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=None,
+                   help="ngram: shortest match (default 2, or the max if smaller)")
+    p.add_argument("--prompt-lookup-max", type=int, default=None,
+                   help="ngram: longest match (default 4, or the min if larger)")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --num-spec-tokens tokens")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine seats (default 8)")
