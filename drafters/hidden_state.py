@@ -62,8 +62,10 @@ class HeadOptions:
         """A ValueError when the method cannot draft ``num_speculative_tokens`` per step (none here)."""
 
     def checkpoint(self, method: str, target_model: str) -> str | None:
-        """The head's checkpoint: ``model`` (a subclass may default it)."""
-        return getattr(self, "model", None)
+        """The head's checkpoint: ``model`` (a subclass may default it); another method's is a ValueError."""
+        path = getattr(self, "model", None)
+        _refuse_other_kind(path, method)
+        return path
 
     def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
         """What the worker's drafter class reads beside the method, checkpoint and split (plain data; a config read
@@ -162,6 +164,7 @@ class EagleOptions(HeadTreeOptions):
             from specray.models.bundled_heads import bundled_head  # torch-free
 
             return bundled_head(target_model, method)
+        _refuse_other_kind(self.model, method)
         return self.model
 
     def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
@@ -241,7 +244,7 @@ class MTPOptions(HeadTreeOptions):
 
     def checkpoint(self, method: str, target_model: str) -> str | None:
         path = target_model if self.model is None else self.model  # the target's own MTP layers by default
-        _refuse_assistant_as_mtp(path)
+        _refuse_other_kind(path, method)
         return path
 
     def worker_fields(self, path: str | None, target_model: str) -> dict[str, Any]:
@@ -546,15 +549,33 @@ def worker_config(method: str, options: Any, target_model: str, tensor_parallel_
     return {"method": method, "model": path, "split": split, **options.worker_fields(path, target_model)}
 
 
-def _refuse_assistant_as_mtp(path: str | None) -> None:
-    """A Gemma 4 assistant folder given to ``method="mtp"`` (whose checkpoints hold MTP layers in DeepSeek's or
-    Qwen3.5's layout): a ValueError naming the method that reads it."""
+# what marks another method's checkpoint in its config.json: the method that reads it, what it is, the mark
+_OTHER_KINDS = (("medusa", "Medusa heads", "its config.json gives medusa_num_heads",
+                 lambda raw: "medusa_num_heads" in raw),
+                ("redrafter", "a ReDrafter", "model_type 'recurrent_drafting_drafter'",
+                 lambda raw: raw.get("model_type") == "recurrent_drafting_drafter"),
+                ("mlp_speculator", "an MLP speculator", "model_type 'mlp_speculator'",
+                 lambda raw: raw.get("model_type") == "mlp_speculator"),
+                ("dflash", "a DFlash model", "its config.json gives dflash_config",
+                 lambda raw: "dflash_config" in raw),
+                ("gemma4_assistant", "a Gemma 4 assistant", "model_type {kind!r}",
+                 lambda raw: raw.get("model_type") in ("gemma4_assistant", "gemma4_unified_assistant")))
+
+
+def _refuse_other_kind(path: str | None, method: str) -> None:
+    """A local checkpoint whose config.json marks it as another method's (Medusa heads, a ReDrafter, an MLP
+    speculator, a DFlash model, a Gemma 4 assistant) given to ``method``: a ValueError naming the method that reads
+    it, rather than a size mismatch its loader would find (a hub id is not read here)."""
     import json
     from pathlib import Path
 
     config = None if path is None else Path(path).expanduser() / "config.json"
-    kind = json.loads(config.read_text()).get("model_type") if config is not None and config.is_file() else None
-    if kind in ("gemma4_assistant", "gemma4_unified_assistant"):
-        raise ValueError(f"speculative_config.model={path!r} is a Gemma 4 assistant (model_type {kind!r}): "
-                         "use method='gemma4_assistant' with it (method='mtp' reads MTP layers inside a target's "
-                         "checkpoint)")
+    if config is None or not config.is_file():
+        return
+    raw = json.loads(config.read_text())
+    for owner, what, mark, marks in _OTHER_KINDS:
+        if isinstance(raw, dict) and owner != method and marks(raw):
+            mark = mark.format(kind=raw.get("model_type"))
+            detail = " (method='mtp' reads MTP layers inside a target's checkpoint)" if method == "mtp" else ""
+            raise ValueError(f"speculative_config.model={path!r} is {what}, not a checkpoint of method={method!r} "
+                             f"({mark}): use method={owner!r} with it{detail}")

@@ -296,6 +296,36 @@ def test_eagle3_fc_must_read_three_target_hidden_states(target, tmp_path):
         target.load("eagle3", folder)
 
 
+def test_a_checkpoint_of_another_method_names_the_method_to_use(target, tmp_path):
+    """An EAGLE-3 head given as EAGLE-1 (or the reverse) names the method that reads it, not only the sizes; a Medusa,
+    DFlash, ... checkpoint given to another hidden-state method is refused by its config.json before anything loads
+    (it read as a Llama layer of hidden_size 4096, or an EAGLE-3 head without d2t)."""
+    from specray.drafters.hidden_state import DFlashOptions, EagleOptions, MTPOptions
+
+    e3 = helpers.write_random_head(tmp_path / "e3", "eagle3", target.dir)
+    with pytest.raises(ValueError, match=r"fc.weight is \(64, 192\), expected \(64, 128\): an EAGLE-3 head.*"
+                                         r"use method='eagle3'"):
+        target.load("eagle", e3)
+    e1 = helpers.write_random_head(tmp_path / "e1", "eagle", target.dir)
+    with pytest.raises(ValueError, match=r"needs \(64, 192\): an EAGLE-1 head's fc .*use method='eagle' with it"):
+        target.load("eagle3", e1)
+    medusa, dflash = tmp_path / "medusa", tmp_path / "dflash"
+    for folder, config in ((medusa, {"medusa_num_heads": 4, "medusa_num_layers": 1}),
+                           (dflash, {"model_type": "qwen3", "dflash_config": {"target_layer_ids": [1]}})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    for method in ("eagle", "eagle3"):
+        with pytest.raises(ValueError, match=rf"model='{medusa}' is Medusa heads, not a checkpoint of method="
+                                             rf"'{method}' \(its config.json gives medusa_num_heads\): use "
+                                             "method='medusa' with it"):
+            EagleOptions(model=str(medusa)).checkpoint(method, str(target.dir))
+    with pytest.raises(ValueError, match=r"is a DFlash model.*use method='dflash' with it \(method='mtp' reads"):
+        MTPOptions(model=str(dflash)).checkpoint("mtp", str(target.dir))
+    with pytest.raises(ValueError, match=r"is Medusa heads, not a checkpoint of method='dflash'"):
+        DFlashOptions(model=str(medusa)).checkpoint("dflash", str(target.dir))
+    assert EagleOptions(model=str(e3)).checkpoint("eagle3", str(target.dir)) == str(e3)
+
+
 @pytest.mark.parametrize("bad", ["past-the-end", "negative", "wrong-length", "missing"])
 def test_eagle3_d2t_must_map_into_the_target_vocabulary(target, tmp_path, bad):
     folder = helpers.write_random_head(tmp_path / "e3", "eagle3", target.dir)

@@ -346,7 +346,9 @@ def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) 
         kwargs["fc_bias"] = "fc.bias" in weights
         fc = weights.get("fc.weight")
         if fc is not None and tuple(shape_of(fc)) != (h, 2 * h):
-            raise ValueError(f"the eagle head's fc.weight is {tuple(shape_of(fc))}, expected {(h, 2 * h)}")
+            hint = (": an EAGLE-3 head's fusion (it reads several target layers and maps a draft vocabulary, d2t); "
+                    "use method='eagle3' with it" if "d2t" in weights else "")
+            raise ValueError(f"the eagle head's fc.weight is {tuple(shape_of(fc))}, expected {(h, 2 * h)}{hint}")
     if method == "eagle3":
         aux, layers = head_aux_layers(method, config, target_config), stack_layers(target_config)
         if any(not 0 <= i < layers for i in aux):
@@ -354,9 +356,12 @@ def _layout_kwargs(method: str, config, target_config, weights: dict[str, Any]) 
         head_th = getattr(config, "target_hidden_size", None) or th
         fc = weights.get("fc.weight")
         if head_th != th or (fc is not None and tuple(shape_of(fc)) != (h, len(aux) * th)):
+            eagle1 = fc is not None and tuple(shape_of(fc)) == (h, 2 * th) and "d2t" not in weights
+            why = ("an EAGLE-1 head's fc (over the token's embedding and one hidden state; no d2t): use method='eagle' "
+                   "with it" if eagle1 else "the head was trained for another model")
             raise ValueError(f"the eagle3 head's fc.weight is {None if fc is None else tuple(shape_of(fc))} "
                              f"(target_hidden_size={head_th}) but the target's hidden_size={th} needs "
-                             f"{(h, len(aux) * th)}: the head was trained for another model")
+                             f"{(h, len(aux) * th)}: {why}")
         d2t = weights.get("d2t")
         vd = getattr(config, "draft_vocab_size", None) or (shape_of(d2t)[0] if d2t is not None else th)
         if d2t is None:
