@@ -97,6 +97,33 @@ def test_a_tree_deeper_than_the_heads_is_refused(target_dir, tmp_path):
                                                  "medusa_choices": [[0], [0, 0], [0, 0, 0]]})
 
 
+def test_a_tree_asking_past_the_heads_vocabulary_is_refused():
+    """A tree option asking a node for more of its best tokens than the head's vocabulary holds (Medusa's
+    medusa_choices, DFlash's tree, EAGLE-2's dynamic_tree_max_topK, a static speculative_token_tree, the MLP
+    speculator's top_k_tokens_per_head) is a ValueError naming it when the drafter is built; it was accepted, then
+    every step's top-k failed and every request lost its drafts."""
+    from types import SimpleNamespace
+
+    from specray.models.medusa import MedusaHeads
+    from specray.models.mlp_speculator import MLPSpeculatorHead
+    from specray.workers.head_drafter import HiddenStateDrafter, StaticShape, TreeShape
+    from specray.workers.medusa_drafter import MedusaDrafter
+    from specray.workers.mlp_speculator_drafter import MLPSpeculatorDrafter
+
+    vocab = "but the head drafts from a vocabulary of 16: give at most 16 per node"
+    assert MedusaDrafter(MedusaHeads(2, 1, 8, 16), [[0], [15], [0, 0]]).top_k == 16
+    with pytest.raises(ValueError, match=rf"medusa_choices asks a node for its 17 best tokens {vocab}"):
+        MedusaDrafter(MedusaHeads(2, 1, 8, 16), [[0], [16]])
+    MLPSpeculatorDrafter(MLPSpeculatorHead(8, 8, 16, 2, False, False), candidates=([16, 1], 2))
+    with pytest.raises(ValueError, match=rf"top_k_tokens_per_head asks a node for its 17 best tokens {vocab}"):
+        MLPSpeculatorDrafter(MLPSpeculatorHead(8, 8, 16, 2, False, False), candidates=([17, 1], 2))
+    head = SimpleNamespace(tp=None, draft_vocab_size=16)  # (EAGLE-3's draft vocabulary; refused before any cache)
+    with pytest.raises(ValueError, match=rf"dynamic_tree_max_topK asks a node for its 17 best tokens {vocab}"):
+        HiddenStateDrafter(head, 4, 4, TreeShape(17, 2))
+    with pytest.raises(ValueError, match=rf"speculative_token_tree asks a node for its 21 best tokens {vocab}"):
+        HiddenStateDrafter(head, 4, 4, StaticShape([[0], [20]]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_drafted_token_ids_survive_the_heads_dtype(dtype):
     """A GPU model's heads run in bf16 or fp16, which hold integers exactly only up to 256 or 2048: the drafts'
@@ -107,7 +134,7 @@ def test_drafted_token_ids_survive_the_heads_dtype(dtype):
     vocab, peaks = 50000, (40001, 30003)
 
     class Heads:
-        num_heads, tp = 2, None
+        num_heads, tp, vocab_size = 2, None, vocab
 
         def __call__(self, hidden):
             logits = torch.zeros(hidden.shape[0], self.num_heads, vocab, dtype=dtype)

@@ -416,7 +416,7 @@ class ToyMedusaHeads:
     a noisy copy of the target's root logits, heads 1 and 2 noisy copies of the log of the target's marginal one
     token further, so each depth has its own q, the same for every parent there."""
 
-    tp, num_heads = None, 3
+    tp, num_heads, vocab_size = None, 3, V
 
     def __init__(self, lm: ToyLM, seed: int, noise: float):
         g = torch.Generator().manual_seed(seed)

@@ -67,7 +67,7 @@ class DFlashDrafter(ChoicesTrees, HiddenStateDrafter):
                          kv_cache_dtype=kv_cache_dtype)
         self.levels = None
         if choices is not None:
-            self._init_choices(choices)
+            self._init_choices(choices, "speculative_token_tree", head.target.vocab_size)
             self.levels = self.layout.levels  # the block's rows after the sampled token: one per level
             if self.levels > head.block_size - 1:
                 raise ValueError(f"speculative_config.speculative_token_tree goes {self.levels} levels deep but the "

@@ -351,6 +351,13 @@ class HiddenStateDrafter(DrawsFromQ):
         self.head = head
         self.tree = tree
         self.block_size = block_size
+        if tree is not None:  # (over its own vocabulary: EAGLE-3's draft vocabulary)
+            first = head.heads[0] if hasattr(head, "heads") else head
+            vocab = getattr(first, "draft_vocab_size", None) or head.target.vocab_size
+            if isinstance(tree, TreeShape):
+                check_tree_width("dynamic_tree_max_topK", tree.top_k, vocab)
+            else:
+                check_tree_width("speculative_token_tree", max(top for top, _ in tree.widths), vocab)
         # the head's passes (a decode's first pass, a chain's draft steps, a tree's levels; distinct MTP modules' passes
         # over the first pass's rows, a graph per module) replayed from graphs when the target's steps are (a head
         # whose layers can be captured), their padding in scratch blocks of its own cache
@@ -1132,6 +1139,14 @@ def rows_of_last_tokens(plan: StepPlan, kept: dict[int, list[int]], paths: dict[
         nodes = paths.get(i) or list(range(len(kept[i]) - 1))  # the accepted drafts' node indices
         out.append((i, base + real + nodes[-1] if nodes else base + real - 1))
     return out
+
+
+def check_tree_width(name: str, width: int, vocab: int) -> None:
+    """A tree option that asks a node for more of its best tokens than the head's vocabulary holds (they would fail
+    every step's top-k, costing every request its drafts): a ValueError naming ``speculative_config.<name>``."""
+    if width > vocab:
+        raise ValueError(f"speculative_config.{name} asks a node for its {width} best tokens but the head drafts "
+                         f"from a vocabulary of {vocab}: give at most {vocab} per node (ranks 0..{vocab - 1})")
 
 
 def tree_shape_of(config: dict) -> TreeShape | StaticShape | None:

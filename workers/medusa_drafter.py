@@ -34,7 +34,8 @@ from specray.models.step_graphs import FunctionGraphs, why_eager
 from specray.parallel import TPGroup
 from specray.sampling import SamplingBatch, logits_to_probs, sample_without_replacement
 from specray.sampling_params import SamplingParams
-from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, drawn_tree, rows_of_last_tokens, tree_rows
+from specray.workers.head_drafter import (Drafted, Drawn, DrawsFromQ, check_tree_width, drawn_tree, rows_of_last_tokens,
+                                          tree_rows)
 
 
 class ChoicesLayout:
@@ -104,9 +105,11 @@ class ChoicesTrees:
     DFlash's block rows): a greedy request's top-k tree with each node's probability as its score, a sampled one's
     drawn from q (see the module docstring). Mixed into a :class:`~specray.workers.head_drafter.DrawsFromQ`."""
 
-    def _init_choices(self, choices: list[list[int]]) -> None:
+    def _init_choices(self, choices: list[list[int]], name: str, vocab: int) -> None:
+        """``choices`` (``speculative_config.<name>``) over logits of ``vocab`` tokens."""
         self.choices = [list(c) for c in choices]
         self.top_k = 1 + max(i for c in self.choices for i in c)
+        check_tree_width(name, self.top_k, vocab)
         self.layout = ChoicesLayout(self.choices, self.top_k)
         self.parents = self.layout.parents
 
@@ -176,7 +179,7 @@ class MedusaDrafter(ChoicesTrees, DrawsFromQ):
         # from the same streams, so the tree is the same on every rank
         super().__init__(heads.tp, driver, seed)
         self.heads = heads
-        self._init_choices(choices)
+        self._init_choices(choices, "medusa_choices", heads.vocab_size)
         # over several ranks (the logits' all-gather inside) as the target's graphs: when asked for
         self.graphs = None
         if step_graphs and why_eager(heads, self.tp.size, asked=True) is None:

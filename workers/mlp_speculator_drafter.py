@@ -30,7 +30,7 @@ from specray.models.step_graphs import FunctionGraphs, why_eager
 from specray.parallel import TPGroup
 from specray.sampling import SamplingBatch, logits_to_probs, sample
 from specray.sampling_params import SamplingParams
-from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, prefix_tree
+from specray.workers.head_drafter import Drafted, Drawn, DrawsFromQ, check_tree_width, prefix_tree
 
 
 class MLPSpeculatorDrafter(DrawsFromQ):
@@ -48,6 +48,8 @@ class MLPSpeculatorDrafter(DrawsFromQ):
         self.head = head
         # IBM's candidate tree for greedy requests: (top-k per stage, candidates kept); None: chains
         self.candidates = None if candidates is None else (list(candidates[0]), int(candidates[1]))
+        if self.candidates is not None:
+            check_tree_width("top_k_tokens_per_head", max(self.candidates[0]), head.vocab_size)
         self.best = self.greedy_chain if self.candidates is None else self.candidate_search
         # over several ranks (the logits' all-gather inside) as the target's graphs: when asked for
         self.graphs = None
