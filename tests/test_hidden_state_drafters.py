@@ -1415,7 +1415,11 @@ def test_combined_mode_verifies_drawn_chains_against_their_q_beside_lookup_trees
 def test_combine_with_names_a_lookup_drafter(target_dir, heads):
     for bad, why in [("draft_model", "lookup drafter only"), (5, "must be a method name"),
                      ({"num_speculative_tokens": 3}, "must be a method name"),
-                     ({"method": "ngram", "prompt_lookup_minn": 1}, "unknown keys")]:
+                     ({"method": "ngram", "prompt_lookup_minn": 1},
+                      r"combine_with=\{'method': 'ngram', .*unknown keys"),
+                     # the lookup's draft count, not the head's (which is 3)
+                     ({"method": "suffix", "num_speculative_tokens": 0},
+                      r"combine_with=\{'method': 'suffix', 'num_speculative_tokens': 0\}: .*=0 must be an int >= 1")]:
         kwargs = engine_kwargs(target_dir, heads, "accepting", "eagle3")
         kwargs["speculative_config"]["combine_with"] = bad
         with pytest.raises(ValueError, match=why):

@@ -413,11 +413,17 @@ def lookup_beside_head(spec: SpeculativeConfig) -> SpeculativeConfig | None:
     given = registry.options_of(spec).lookup_config(spec.num_speculative_tokens)
     if given is None:
         return None
-    lookup = SpeculativeConfig.from_any(given)
+    try:  # the lookup's own checks, said of combine_with (its keys are not the head's)
+        lookup = SpeculativeConfig.from_any(given)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.combine_with={given!r}: {e}") from e
     if lookup.method not in registry.request_methods():
         raise ValueError(f"speculative_config.combine_with names method {lookup.method!r}; a head can be combined "
                          f"with a lookup drafter only: one of {list(registry.request_methods())}")
-    registry.check(lookup)
+    try:
+        registry.check(lookup)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.combine_with={given!r}: {e}") from e
     return lookup
 
 
