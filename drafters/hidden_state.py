@@ -271,6 +271,12 @@ class DFlashOptions(HeadOptions):
         if self.speculative_token_tree is not None:
             self.speculative_token_tree = check_choices("speculative_token_tree", self.speculative_token_tree)
 
+    @property
+    def default_draft_count(self) -> int | None:
+        """``num_speculative_tokens`` when it is not given: a tree's nodes, every one of them (as EAGLE's static
+        tree's)."""
+        return None if self.speculative_token_tree is None else len(self.speculative_token_tree)
+
     def drafts_blocks(self) -> bool:
         return self.speculative_token_tree is None
 
@@ -338,6 +344,12 @@ class MedusaOptions(HeadOptions):
                              "folder (or hub id)")
         if self.medusa_choices is not None:
             self.medusa_choices = check_choices("medusa_choices", self.medusa_choices)
+
+    @property
+    def default_draft_count(self) -> int | None:
+        """``num_speculative_tokens`` when it is not given: the nodes of the medusa_choices given, every one of them
+        (as EAGLE's static tree's); with the default tree it stays 5."""
+        return None if self.medusa_choices is None else len(self.medusa_choices)
 
     def drafts_trees(self) -> bool:
         return True

@@ -1526,6 +1526,14 @@ def test_static_tree_options_read_vllm_and_tensorrt_llm_forms():
         [0], [1], [0, 0]]
     with pytest.raises(ValueError, match=r"medusa_choices='\[\(0,' is neither JSON .* nor a Python literal"):
         MedusaOptions(model="m", medusa_choices="[(0,")
+    # their draft count left unset is the tree's nodes too (it was 5: a larger tree cut to its first 5 nodes)
+    six = "[(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0)]"
+    for given in ({"method": "medusa", "model": "m", "medusa_choices": six},
+                  {"method": "dflash", "model": "d", "speculative_token_tree": six},
+                  {"method": "medusa", "model": "m", "medusa_choices": six, "num_speculative_tokens": 4}):
+        spec = SpeculativeConfig.from_any(given)
+        registry.check(spec)
+        assert spec.num_speculative_tokens == given.get("num_speculative_tokens", 6)
 
 def test_distinct_mtp_modules_write_no_kv_past_the_committed_tokens(target_dir, heads):
     """Module k drafts at the last committed position (it reads the draft before it as its token), so no slots
