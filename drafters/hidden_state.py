@@ -272,10 +272,12 @@ class DFlashOptions(HeadOptions):
             self.speculative_token_tree = check_choices("speculative_token_tree", self.speculative_token_tree)
 
     @property
-    def default_draft_count(self) -> int | None:
+    def default_draft_count(self) -> int:
         """``num_speculative_tokens`` when it is not given: a tree's nodes, every one of them (as EAGLE's static
-        tree's)."""
-        return None if self.speculative_token_tree is None else len(self.speculative_token_tree)
+        tree's); a chain's 5, or the block's drafts where it holds fewer."""
+        if self.speculative_token_tree is not None:
+            return len(self.speculative_token_tree)
+        return min(5, dflash_block_size(self.model) - 1)
 
     def drafts_blocks(self) -> bool:
         return self.speculative_token_tree is None

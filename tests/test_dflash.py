@@ -469,6 +469,12 @@ def test_sampled_output_keeps_the_target_distribution(target_dir, heads, plain):
 # ---- settings and checkpoints ------------------------------------------------------------------------------------
 
 def test_settings_and_checkpoints_are_checked(target_dir, heads, tmp_path):
+    from specray.config import SpeculativeConfig
+    from specray.drafters import registry
+
+    unset = SpeculativeConfig.from_any({"method": "dflash", "model": str(heads["accepting"])})
+    registry.check(unset)  # left unset: the block's K drafts (5 was refused here, a count the user never gave)
+    assert unset.num_speculative_tokens == K
     with pytest.raises(ValueError, match=r"num_speculative_tokens=4: the DFlash checkpoint .* blocks of 4"):
         LLM(str(target_dir), speculative_config=spec(heads, "accepting", num_speculative_tokens=4))
     with pytest.raises(ValueError, match=r"speculative_token_tree goes 4 levels deep but the DFlash checkpoint .* "
