@@ -318,7 +318,7 @@ def dflash_block_size(path: str) -> int:
 
     from specray.models.loader import resolve_model
 
-    raw = json.loads((Path(resolve_model(path).path) / "config.json").read_text())
+    raw = json.loads((Path(resolve_model(path, field="speculative_config.model").path) / "config.json").read_text())
     block = (raw.get("dflash_config") or {}).get("block_size", raw.get("block_size", 16))
     if not isinstance(block, int) or isinstance(block, bool) or block < 2:
         raise ValueError(f"the DFlash checkpoint {path!r} gives block_size={block!r}: it must be an int >= 2")

@@ -326,6 +326,21 @@ def test_a_checkpoint_of_another_method_names_the_method_to_use(target, tmp_path
     assert EagleOptions(model=str(e3)).checkpoint("eagle3", str(target.dir)) == str(e3)
 
 
+def test_a_head_folder_without_weights_names_speculative_config_model(target, tmp_path):
+    """A head's folder holding its config.json only: the error names the option, not "model folder" (the target's
+    word), for EAGLE's heads (read on the driver) and DFlash's."""
+    from specray.drafters.hidden_state import DFlashOptions, EagleOptions, worker_config
+
+    folder = tmp_path / "e3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(helpers.head_config(json.loads((target.dir / "config.json")
+                                                                                  .read_text()))))
+    with pytest.raises(ValueError, match=rf"^speculative_config.model folder '{folder}' has no weights"):
+        worker_config("eagle3", EagleOptions(model=str(folder)), str(target.dir))
+    with pytest.raises(ValueError, match=rf"^speculative_config.model folder '{folder}' has no weights"):
+        DFlashOptions(model=str(folder)).check_draft_count(3)
+
+
 @pytest.mark.parametrize("bad", ["past-the-end", "negative", "wrong-length", "missing"])
 def test_eagle3_d2t_must_map_into_the_target_vocabulary(target, tmp_path, bad):
     folder = helpers.write_random_head(tmp_path / "e3", "eagle3", target.dir)

@@ -148,7 +148,7 @@ def read_head_config(path) -> PlainConfig:
     the EAGLE keys transformers drops."""
     from transformers import AutoConfig, LlamaConfig
 
-    source = resolve_model(path)
+    source = resolve_model(path, field="speculative_config.model")
     raw = json.loads((Path(source.path) / "config.json").read_text())
     try:
         config = plain_config(AutoConfig.from_pretrained(source.path))
@@ -163,7 +163,7 @@ def read_head_config(path) -> PlainConfig:
 
 def _head_source(path, config: PlainConfig | None = None) -> tuple[Any, list[tuple[str, Any]]]:
     config = config or read_head_config(path)
-    source = resolve_model(path)
+    source = resolve_model(path, field="speculative_config.model")
     names = []
     for name, tensor in iter_weights(source):
         if name.startswith("model."):
@@ -190,7 +190,7 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
     if names is not None:
         return target_config, [_prefixed_mtp(path, names, num_modules)]
     prefixes = [f"model.layers.{num_layers + k}." for k in range(num_modules)]
-    source = resolve_model(path)
+    source = resolve_model(path, field="speculative_config.model")
     renames = _CHECKPOINT_NAMES.get(getattr(target_config, "model_type", None), ())  # the block's, as the target's
     modules: list[list[tuple[str, Any]]] = [[] for _ in prefixes]
     for name, tensor in checkpoint_weights(source):
@@ -223,7 +223,7 @@ def _mtp_sources(path, target_config, num_modules: int = 1) -> tuple[Any, list[l
 def _named_mtp(path, own, model_type, num_modules: int) -> list[list[tuple[str, Any]]]:
     """Modules 0..num_modules-1 of a release whose family names its MTP tensors (``own``: checkpoint name -> (module,
     name in the head), or None; module -1: a tensor every module reads, as ERNIE 4.5's final norm)."""
-    source = resolve_model(path)
+    source = resolve_model(path, field="speculative_config.model")
     modules: list[list[tuple[str, Any]]] = [[] for _ in range(num_modules)]
     shared, found = [], set()
     for name, tensor in checkpoint_weights(source, wanted=lambda name: own(name, model_type) is not None):
@@ -275,7 +275,7 @@ def _prefixed_mtp(path, names: tuple[tuple[str, str], ...], num_modules: int) ->
     """The MTP layer of a release that keeps one under ``mtp.`` (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: ``mtp.fc``,
     ``mtp.pre_fc_norm_*``, ``mtp.layers.0.*``, ``mtp.norm``; Nemotron 3: its two blocks ``mtp.layers.0`` and
     ``mtp.layers.1``), renamed by the family's ``names`` (theirs, ours)."""
-    source = resolve_model(path)
+    source = resolve_model(path, field="speculative_config.model")
     if num_modules != 1:
         raise ValueError(f"speculative_config.num_nextn_predict_layers={num_modules}: the checkpoint "
                          f"{str(source.path)!r} keeps one MTP layer (mtp.*), which specray reuses for every draft "
@@ -294,7 +294,7 @@ def _indexed_mtp(path, prefix: str, names: tuple[tuple[str, str], ...], num_modu
                  ) -> list[list[tuple[str, Any]]]:
     """Modules 0..num_modules-1 of a release that numbers its MTP modules under ``prefix`` (``{k}`` the module:
     MiMo-V2-Flash's ``model.mtp.layers.{k}.``), each renamed by the family's ``names`` (theirs, ours)."""
-    source = resolve_model(path)
+    source = resolve_model(path, field="speculative_config.model")
     pattern = re.compile(re.escape(prefix).replace(re.escape("{k}"), r"(\d+)"))
     root = prefix[: prefix.index("{k}")]
     modules: list[list[tuple[str, Any]]] = [[] for _ in range(num_modules)]

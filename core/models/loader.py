@@ -176,13 +176,13 @@ def resolve_model(model: str | os.PathLike, weights: bool = True, field: str = "
     neither looked for nor downloaded: ``weight_files`` is empty). ``field``: the option errors name."""
     path = Path(model).expanduser()
     if path.is_dir():
-        return _folder_source(path, weights)
+        return _folder_source(path, weights, field)
     if path.is_file():
         check_model_path(model, field)  # a .gguf
         folder = convert_gguf(path)
-        return ModelSource(folder, *_weight_files(folder), gguf_file=path.resolve())
+        return ModelSource(folder, *_weight_files(folder, field), gguf_file=path.resolve())
     check_path(model, field)
-    return _folder_source(_download(str(model), weights, field), weights)
+    return _folder_source(_download(str(model), weights, field), weights, field)
 
 
 def check_path(model: str | os.PathLike, field: str) -> None:
@@ -251,13 +251,13 @@ def _gguf_files_hint(folder: Path) -> str:
             "or")
 
 
-def _folder_source(folder: Path, weights: bool = True) -> ModelSource:
+def _folder_source(folder: Path, weights: bool = True, field: str = "model") -> ModelSource:
     if not (folder / "config.json").is_file():
         raise ValueError(f"model folder {str(folder)!r} has no config.json{_gguf_files_hint(folder) or ';'} pass an "
                          "HF model folder")
     if not isinstance(_json_file(folder / "config.json"), dict):
         raise ValueError(f"{str(folder / 'config.json')!r} holds no JSON object; fix it, or download the model again")
-    return ModelSource(folder, *_weight_files(folder)) if weights else ModelSource(folder, (), "none")
+    return ModelSource(folder, *_weight_files(folder, field)) if weights else ModelSource(folder, (), "none")
 
 
 def _json_file(path: Path) -> Any:
@@ -269,7 +269,7 @@ def _json_file(path: Path) -> Any:
                          "part: fix it, or download the model again") from None
 
 
-def _weight_files(folder: Path) -> tuple[tuple[Path, ...], str]:
+def _weight_files(folder: Path, field: str = "model") -> tuple[tuple[Path, ...], str]:
     # one file before an index, as transformers reads them (an index left beside it from an older download is stale)
     for single, index, fmt in (("model.safetensors", "model.safetensors.index.json", "safetensors"),
                                ("pytorch_model.bin", "pytorch_model.bin.index.json", "bin")):
@@ -289,7 +289,7 @@ def _weight_files(folder: Path) -> tuple[tuple[Path, ...], str]:
         files = sorted(folder.glob(pattern))
         if files:
             return tuple(files), fmt
-    raise ValueError(f"model folder {str(folder)!r} has no weights: expected *.safetensors or pytorch_model*.bin "
+    raise ValueError(f"{field} folder {str(folder)!r} has no weights: expected *.safetensors or pytorch_model*.bin "
                      "(optionally sharded with an index .json)")
 
 
