@@ -963,6 +963,7 @@ def test_a_pool_that_is_lost_or_never_placed_leaves_each_replica_its_own_text():
         ray.kill(ray.get_actor(pool_actor_name("t-lost"), namespace=POOL_NAMESPACE))
         for i in range(3):
             lost.propose([DraftRequest("a", [1, 2, 3] + text + [1] * i, 4, params)])
+        lost.sync_pool()  # waits for the exchange in flight (the dead pool's error), where a proposal only looks
         for drafter in (never, lost):
             assert ray.get(drafter.actor.run.remote(probes.pool_link_state)) == (True, 0, False)
             assert drafter.propose([DraftRequest("b", [7, 8, 901, 902], 4, params)])[0].token_ids == [903, 904, 905,
