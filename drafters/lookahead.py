@@ -91,6 +91,9 @@ class LookaheadOptions:
         """The whole tree: the lookahead branch and G n-grams of N - 1 tokens (fewer when they share a prefix)."""
         return self.lookahead_nodes + self.max_verification_set_size * (self.max_ngram_size - 1)
 
+    # the options that size the tree (a draft count left unset: its default_draft_count)
+    TREE_SIZED_BY: ClassVar[str] = "max_window_size, max_ngram_size or max_verification_set_size"
+
     @property
     def default_draft_count(self) -> int:
         """``num_speculative_tokens`` when it is not given: the whole tree."""

@@ -111,8 +111,11 @@ class NgramOptions:
         if self.max_pool_entries is not None and not self.is_public_pool:
             raise ValueError(f"speculative_config.max_pool_entries={self.max_pool_entries!r} caps the public pool only "
                              "(a request's own pool holds its history); set is_public_pool=True, or remove it")
+        refs_given = self.max_tree_refs is not None
+        if not refs_given:
+            self.max_tree_refs = 32
         for name in ("num_branches", "max_tree_refs"):
-            if not _is_count(getattr(self, name)) and not (name == "max_tree_refs" and self.max_tree_refs is None):
+            if not _is_count(getattr(self, name)):
                 raise ValueError(f"speculative_config.{name}={getattr(self, name)!r} must be an int >= 1")
         if self.speculative_token_tree is not None:
             self.speculative_token_tree = parse_token_tree(self.speculative_token_tree)
@@ -120,12 +123,10 @@ class NgramOptions:
                 raise ValueError(f"speculative_config gives both num_branches={self.num_branches} and a "
                                  "speculative_token_tree: pick one (a dynamic tree of num_branches children per node, "
                                  "or the static tree)")
-        if self.max_tree_refs is not None and not self.proposes_trees:
+        if refs_given and not self.proposes_trees:
             raise ValueError(f"speculative_config.max_tree_refs={self.max_tree_refs} sizes token trees, which this "
                              "config does not draft (chains); set num_branches > 1 or a speculative_token_tree, "
                              "or remove it")
-        if self.max_tree_refs is None:
-            self.max_tree_refs = 32
 
     @property
     def proposes_trees(self) -> bool:

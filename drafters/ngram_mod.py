@@ -66,14 +66,14 @@ class NgramModOptions:
     def __post_init__(self) -> None:
         check_int(METHOD, "ngram_size_n", self.ngram_size_n, 1, 1024, what="llama.cpp's --spec-ngram-mod-n-match")
         # one of draft_min / draft_max given alone is never refused for the other's default, which follows it
+        if self.draft_min is not None:
+            check_int(METHOD, "draft_min", self.draft_min, 0, 1024, what="llama.cpp's --draft-min")
+        if self.draft_max is not None:
+            check_int(METHOD, "draft_max", self.draft_max, 1, 1024, what="llama.cpp's --draft-max")
         if self.draft_max is None:
-            check_int(METHOD, "draft_min", 48 if self.draft_min is None else self.draft_min, 0, 1024,
-                      what="llama.cpp's --draft-min")
             self.draft_max = max(64, self.draft_min or 0)
-        check_int(METHOD, "draft_max", self.draft_max, 1, 1024, what="llama.cpp's --draft-max")
         if self.draft_min is None:
             self.draft_min = min(48, self.draft_max)
-        check_int(METHOD, "draft_min", self.draft_min, 0, 1024, what="llama.cpp's --draft-min")
         if self.draft_min > self.draft_max:
             raise ValueError(f"speculative_config.draft_min={self.draft_min} and draft_max={self.draft_max} must "
                              f"satisfy draft_min <= draft_max for method={METHOD!r}")

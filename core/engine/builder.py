@@ -50,9 +50,8 @@ def check_draft_count(spec: SpeculativeConfig | None, max_model_len: int) -> Non
         k, options = spec.num_speculative_tokens, registry.options_of(spec)
         fix = "lower it (a few to a few tens)"
         if getattr(options, "default_draft_count", None) == k:  # maybe not given: a tree's size set it
-            if spec.method == "lookahead":
-                fix = (f"it is method='lookahead''s whole tree of {k} nodes: lower max_window_size, max_ngram_size "
-                       "or max_verification_set_size")
+            if getattr(options, "TREE_SIZED_BY", None):  # a tree of the method's own (lookahead's)
+                fix = f"it is method={spec.method!r}'s whole tree of {k} nodes: lower {options.TREE_SIZED_BY}"
             elif getattr(options, "speculative_token_tree", None) is not None:
                 fix = f"it is the speculative_token_tree's {k} nodes: give fewer paths, or num_speculative_tokens"
         raise ValueError(f"speculative_config.num_speculative_tokens={k} is not below max_model_len={max_model_len}: "
