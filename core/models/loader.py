@@ -955,9 +955,11 @@ def _check_gguf_tensor_types(gguf: Path, tensors: list) -> None:
             return False
         return True
 
-    known: dict[Any, bool] = {}
+    first: dict[Any, Any] = {}  # each type's first tensor, in the file's order (one block dequantized per type)
     for t in tensors:
-        if not known.setdefault(t.tensor_type, readable(t.tensor_type)):
+        first.setdefault(t.tensor_type, t)
+    for t in first.values():
+        if not readable(t.tensor_type):
             kinds = sorted(k.name for k in GGMLQuantizationType if k in GGML_QUANT_SIZES and readable(k))
             raise ValueError(
                 f"GGUF {str(gguf)!r} stores its tensor {t.name!r} as {t.tensor_type.name}, a type specray cannot "
