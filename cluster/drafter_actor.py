@@ -29,7 +29,7 @@ from specray.cluster.ray_env import ray
 from specray.cluster.remote_errors import raise_remote
 from specray.cluster.step_channel import StepClient, StepServer
 from specray.config import RayPlacement, SpeculativeConfig
-from specray.drafters.base import DraftFailure, DraftRequest, DrafterContext, Proposal, prepared
+from specray.drafters.base import DraftRequest, DrafterContext, Proposal, prepared, propose_isolating_failures
 from specray.drafters.registry import drafter_class, tensor_parallel_size, uses_public_pool
 from specray.errors import StepError, WorkerDiedError
 from ray.exceptions import RayError, RayTaskError
@@ -110,32 +110,8 @@ class DrafterWorker:
             if self.world_size > 1:  # the ranks draft together (their collectives): one's failure is the actor's
                 proposals = self.drafter.propose(batch)
             else:
-                proposals = self._isolated(batch)
+                proposals = propose_isolating_failures(self.drafter, batch)
             return proposals if self.rank == 0 else []
-
-    def _isolated(self, batch: list[DraftRequest]) -> list[Proposal | DraftFailure]:
-        """The drafter's proposals; when it raises for the batch (or answers with a list of the wrong length), each
-        request asked alone, a :class:`DraftFailure` for one that still raises: a drafter's failure on one request
-        (a user-provided drafter's bug) costs that request its drafts, not every request the actor."""
-        try:
-            proposals = list(self.drafter.propose(batch))
-            if len(proposals) == len(batch):
-                return proposals
-            logger.error("the drafter returned %d proposals for %d requests; asking for each alone",
-                         len(proposals), len(batch))
-        except Exception as err:  # one request's failure must not cost the others their drafts
-            logger.error("drafting for %d requests failed (%r); asking for each alone", len(batch), err)
-        return [self._alone(dreq) for dreq in batch]
-
-    def _alone(self, dreq: DraftRequest) -> Proposal | DraftFailure:
-        try:
-            proposals = list(self.drafter.propose([dreq]))
-        except Exception as err:  # this request's own failure: the engine stops drafting for it
-            logger.exception("drafting failed for request %s", dreq.req_id)
-            return DraftFailure(repr(err))
-        if len(proposals) != 1:
-            return DraftFailure(f"the drafter returned {len(proposals)} proposals for 1 request")
-        return proposals[0]
 
     def _finish(self, req_ids: list[str]) -> None:
         for rid in req_ids:

@@ -15,6 +15,7 @@ nodes, in the proposal's node order, -1 for a node the scheduler cut (the list m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -24,6 +25,8 @@ from specray.tree import DraftTree, chain_parents
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)  # one per decoding request every step
@@ -68,12 +71,40 @@ class Proposal:
 
 @dataclass(slots=True)
 class DraftFailure:
-    """In place of a proposal: the drafter raised for this request, in a drafter actor (which asks each request of
-    a batch that raised alone, as the engine does in its own process); ``why`` says what it raised. The engine
-    then drafts nothing more for the request, as for a failure in its own process."""
+    """In place of a proposal: the drafter raised for this request (:func:`propose_isolating_failures`, in the
+    engine's process or in a drafter actor); ``why`` says what it raised. The engine then drafts nothing more for
+    the request."""
 
     why: str
     token_ids: tuple = ()  # no drafts, for code that looks at a proposal's tokens
+
+
+def propose_isolating_failures(drafter, batch: list[DraftRequest]) -> list[Proposal | DraftFailure]:
+    """``drafter.propose(batch)``; when it raises, or answers with a list of the wrong length, each request asked
+    alone (a drafter rewinds its state to each history it is given, so asking again is safe), a
+    :class:`DraftFailure` for one that still fails (its traceback logged): a drafter's failure on one request (a
+    user-provided drafter's bug) costs that request its drafts, not every request. The engine's way, and a drafter
+    actor's."""
+    try:
+        return _one_each(drafter, batch)
+    except Exception as err:  # one request's failure must not cost the others their drafts: isolate it
+        logger.error("drafting for %d requests failed (%r); asking for each alone", len(batch), err)
+    out: list[Proposal | DraftFailure] = []
+    for dreq in batch:
+        try:
+            out += _one_each(drafter, [dreq])
+        except Exception as err:  # this request's own failure
+            logger.exception("drafting failed for request %s", dreq.req_id)
+            out.append(DraftFailure(repr(err)))
+    return out
+
+
+def _one_each(drafter, batch: list[DraftRequest]) -> list[Proposal]:
+    proposals = list(drafter.propose(batch))
+    if len(proposals) != len(batch):
+        raise ValueError(f"the drafter {type(drafter).__name__} returned {len(proposals)} proposals for "
+                         f"{len(batch)} requests; its propose must return one per request, in order")
+    return proposals
 
 
 @runtime_checkable

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from specray.contract import ScheduledChunk, StepPlan, StepResult
 from specray.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop
-from specray.drafters.base import DraftFailure, DraftRequest, Drafter, Proposal, proposes_cheaply
+from specray.drafters.base import (DraftFailure, DraftRequest, Drafter, Proposal, propose_isolating_failures,
+                                   proposes_cheaply)
 from specray.drafters.prediction import METHOD as PREDICTION, PredictionDrafter
 from specray.drafters.router import DrafterRouter, check_request_method
 from specray.engine.step_future import StepFuture, resolved, start_step
@@ -816,34 +817,16 @@ class LLMEngine:
         (:func:`_check_proposal`), decodes without drafts from then on (:meth:`_stop_drafting`)."""
         if not batch:
             return []
-        try:
-            proposals: list[Proposal | None] = self._asked(batch)
-        except Exception as err:  # one request's failure must not cost the others their drafts: isolate it
-            logger.error("drafting for %d requests failed (%r); asking for each alone", len(batch), err)
-            proposals = [self._propose_alone(dreq) for dreq in batch]
+        proposals: list[Proposal | None] = propose_isolating_failures(self.drafter, batch)
         for i, (dreq, proposal) in enumerate(zip(batch, proposals)):
-            if isinstance(proposal, DraftFailure):  # it raised in a drafter actor (which logged its traceback)
-                problem = f"{proposal.why} in the drafter actor"
+            if isinstance(proposal, DraftFailure):  # it raised (its traceback is logged)
+                problem = proposal.why
             else:
                 problem = None if proposal is None else _check_proposal(proposal, self.vocab_size)
             if problem is not None:
                 self._stop_drafting(dreq.req_id, problem)
                 proposals[i] = None
         return proposals
-
-    def _asked(self, batch: list[DraftRequest]) -> list[Proposal]:
-        proposals = list(self.drafter.propose(batch))
-        if len(proposals) != len(batch):
-            raise ValueError(f"the drafter {type(self.drafter).__name__} returned {len(proposals)} proposals for "
-                             f"{len(batch)} requests; its propose must return one per request, in order")
-        return proposals
-
-    def _propose_alone(self, dreq: DraftRequest) -> Proposal | None:
-        try:
-            return self._asked([dreq])[0]
-        except Exception as err:  # this request's own failure
-            self._stop_drafting(dreq.req_id, repr(err), err)
-            return None
 
     def _stop_worker_drafting(self, failed: dict[str, str]) -> None:
         """The worker's drafter failed after a step (it logged why): the step's requests get none of its drafts
