@@ -4,6 +4,7 @@ once, then cached), and the errors for paths and architectures we cannot serve."
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -770,7 +771,8 @@ def test_a_shard_of_a_split_gguf_is_refused_with_the_way_out(tmp_path, gguf_cach
                    r"metadata gave that config\)"),
     ("rope", r"GGUF '.*rope.gguf' has llama.rope.freq_base=0.0, which must be positive; its metadata is corrupt"),
     ("eos", r"GGUF '.*eos.gguf' has tokenizer.ggml.eos_token_id=99999, past its vocabulary of \d+ tokens"),
-], ids=["blocks", "tokens", "merges", "model", "heads", "shape", "head_count", "rope", "eos"])
+    ("ctx", r"GGUF '.*ctx.gguf' has llama.context_length=0, which must be positive; its metadata is corrupt"),
+], ids=["blocks", "tokens", "merges", "model", "heads", "shape", "head_count", "rope", "eos", "ctx"])
 def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, tmp_path, gguf_cache, case, match):
     """A GGUF whose ``block_count`` is below the blocks its tensors hold is refused naming both, where transformers'
     mapping left the extra blocks' tensors out and the model loaded without those layers; one without its
@@ -778,16 +780,17 @@ def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, t
     KeyError; one whose head count does not divide its width names the model, not huggingface_hub's
     StrictDataclassError; a tensor of the wrong size, or a missing head count (transformers' default, 32, then
     sizes the model), is named with the GGUF; a RoPE base of 0 (every logit NaN) is refused naming the key, and so
-    is a special token id past the vocabulary (transformers' IndexError, a traceback from the CLI)."""
+    is a special token id past the vocabulary (transformers' IndexError, a traceback from the CLI), and a context
+    length of 0 (every request refused as too long)."""
     import gguf
 
     path = write_gguf(tiny_llama_dir, tmp_path / f"{case}.gguf", "llama")
     reader = gguf.GGUFReader(str(path), "r+")
-    if case in ("blocks", "heads", "rope", "eos"):  # the file holds blk.0 and blk.1, is 64 wide; base 0: NaN logits
+    if case in ("blocks", "heads", "rope", "eos", "ctx"):  # it holds blk.0 and blk.1, is 64 wide; base 0: NaN logits
         key = {"blocks": "llama.block_count", "heads": "llama.attention.head_count", "rope": "llama.rope.freq_base",
-               "eos": "tokenizer.ggml.eos_token_id"}[case]
+               "eos": "tokenizer.ggml.eos_token_id", "ctx": "llama.context_length"}[case]
         field = reader.fields[key]
-        field.parts[field.data[0]][0] = {"blocks": 1, "heads": 5, "rope": 0, "eos": 99999}[case]
+        field.parts[field.data[0]][0] = {"blocks": 1, "heads": 5, "rope": 0, "eos": 99999, "ctx": 0}[case]
     elif case == "shape":  # attn_k's rows 32 -> 31 (its data read shorter)
         field = next(t.field for t in reader.tensors if t.name == "blk.0.attn_k.weight")
         field.parts[3][1] = 31
@@ -798,6 +801,23 @@ def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, t
     with pytest.raises(ValueError, match=match):
         load_model(str(path), pack=False)
     assert case == "head_count" or not any((gguf_cache / "gguf").glob(f"{case}-*"))
+
+
+def test_a_gguf_without_its_context_length_loads_with_a_warning_naming_the_way_out(tiny_llama_dir, tmp_path,
+                                                                                   gguf_cache, caplog):
+    """llama.cpp's converter leaves ``context_length`` out where the HF config had none: the model loads with
+    transformers' default length, and the log says so and how to set it."""
+    import gguf
+
+    path = write_gguf(tiny_llama_dir, tmp_path / "no_ctx.gguf", "llama")
+    reader = gguf.GGUFReader(str(path), "r+")
+    field = reader.fields["llama.context_length"]
+    field.parts[1][-1] = ord("X")  # the key renamed in place: the field gone
+    field.parts[1].flush()
+    with caplog.at_level(logging.WARNING, logger="specray.models.loader"):
+        model = load_model(str(path), pack=False)
+    assert "has no llama.context_length; the model's length is transformers' default for llama (2048)" in caplog.text
+    assert model.config.max_position_embeddings == 2048
 
 
 # ---- GGUF of the newer families, written here from tiny HF models ---------------------------------------------

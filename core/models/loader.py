@@ -1415,6 +1415,7 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool,
 
     with _remote_code_errors(gguf):
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _check_gguf_context_length(gguf, meta, arch, config)
     if arch in _GGUF_CONFIG_FIXES:
         _GGUF_CONFIG_FIXES[arch](config, meta, gguf)
     if arch not in _GGUF_OWN_ROPE:
@@ -1442,6 +1443,21 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool,
     if arch == "mamba" and meta.get("mamba.ssm.dt_b_c_rms"):  # llama.cpp's Falcon-Mamba: a Mamba whose B, C and dt
         config = _falcon_mamba_config(config)  # are normed, which transformers' mapping reads as a plain Mamba
     return config
+
+
+def _check_gguf_context_length(gguf: Path, meta: dict[str, Any], arch: str, config) -> None:
+    """ValueError where ``{arch}.context_length`` is not positive (every request would be refused as too long);
+    a warning where it is absent (llama.cpp's converter leaves it out where the HF config had none), naming the
+    length transformers' default then gives the model."""
+    value = meta.get(f"{arch}.context_length")
+    if value is not None and not int(value) > 0:
+        raise ValueError(f"GGUF {str(gguf)!r} has {arch}.context_length={value}, which must be positive; its "
+                         "metadata is corrupt: fix the key, or convert the model again")
+    if value is None:
+        length = getattr(config, "max_position_embeddings", None)
+        logger.warning("GGUF %r has no %s.context_length; the model's length is transformers' default for %s "
+                       "(%s); pass hf_overrides={'max_position_embeddings': N} (--hf-overrides) to set it",
+                       str(gguf), arch, config.model_type, length)
 
 
 def _check_gguf_blocks(gguf: Path, arch: str, layers: int) -> None:
