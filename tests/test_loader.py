@@ -781,7 +781,7 @@ def test_a_gguf_whose_metadata_does_not_describe_it_is_refused(tiny_llama_dir, t
     StrictDataclassError; a tensor of the wrong size, or a missing head count (transformers' default, 32, then
     sizes the model), is named with the GGUF; a RoPE base of 0 (every logit NaN) is refused naming the key, and so
     is a special token id past the vocabulary (transformers' IndexError, a traceback from the CLI), and a context
-    length of 0 (every request refused as too long)."""
+    length of 0 (the model loaded with max_position_embeddings=0)."""
     import gguf
 
     path = write_gguf(tiny_llama_dir, tmp_path / f"{case}.gguf", "llama")

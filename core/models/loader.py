@@ -1446,7 +1446,7 @@ def _gguf_checkpoint(gguf: Path, meta: dict[str, Any], arch: str, mixtral: bool,
 
 
 def _check_gguf_context_length(gguf: Path, meta: dict[str, Any], arch: str, config) -> None:
-    """ValueError where ``{arch}.context_length`` is not positive (every request would be refused as too long);
+    """ValueError where ``{arch}.context_length`` is not positive (a model of length 0 would load);
     a warning where it is absent (llama.cpp's converter leaves it out where the HF config had none), naming the
     length transformers' default then gives the model."""
     value = meta.get(f"{arch}.context_length")
