@@ -27,6 +27,12 @@ import torch
 
 from specray.sampling_params import SamplingParams
 
+# Sampled rows colder than this are shifted by their largest logit before dividing by the temperature: with logits
+# of any real scale, logits / T overflows float32 only far below it. _TINY: float32's smallest normal number.
+COLD_TEMPERATURE = 1e-4
+_TINY = torch.finfo(torch.float32).tiny
+
+
 @dataclass
 class SamplingBatch:
     """The sampling parameters of N rows, one row per token to sample.
@@ -44,6 +50,7 @@ class SamplingBatch:
     # Python-side, from the params (so skipping work needs no host sync):
     all_greedy: bool
     any_greedy: bool
+    any_cold: bool  # some sampled row's temperature is below COLD_TEMPERATURE (logits / T could overflow)
     any_top_k: bool
     max_top_k: int  # the largest top_k over sampled rows (0 when none), the width of one torch.topk
     any_top_p: bool
@@ -83,8 +90,10 @@ class SamplingBatch:
         device = torch.device(device)
         greedy = [sp.greedy for sp in params]
         # One host-to-device copy for all five per-row tensors.
+        # a temperature under float32's smallest normal would round to 0 (or a subnormal) on the device: any
+        # positive temperature that small already keeps only the row's largest logits (logits_to_probs)
         table = torch.tensor(
-            [[1.0 if g else sp.temperature for sp, g in zip(params, greedy)],
+            [[1.0 if g else max(sp.temperature, _TINY) for sp, g in zip(params, greedy)],
              [float(sp.top_k) for sp in params],
              [sp.top_p for sp in params],
              [sp.min_p for sp in params],
@@ -102,6 +111,7 @@ class SamplingBatch:
             generators=generators,
             all_greedy=all(greedy),
             any_greedy=any(greedy),
+            any_cold=any(sp.temperature < COLD_TEMPERATURE for sp in sampled),
             any_top_k=bool(top_ks),
             max_top_k=max(top_ks, default=0),
             any_top_p=any(sp.top_p < 1.0 for sp in sampled),
@@ -198,6 +208,8 @@ def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     logits = logits.float()
     if batch.all_greedy:
         return _one_hot_argmax(logits)
+    if batch.any_cold:  # shifted so that the largest is 0: logits / T of a tiny T would overflow to inf (NaN probs)
+        logits = logits - logits.amax(-1, keepdim=True)
     scaled = logits / batch.temperature[:, None]  # greedy rows carry T = 1
     if batch.any_top_k:
         scaled = _apply_top_k(scaled, batch.top_k, batch.max_top_k)

@@ -18,7 +18,8 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind
 class SamplingParams:
     """How to sample one request.
 
-    ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables top-p;
+    ``temperature == 0`` is greedy; a positive temperature however small samples among the largest logits (their
+    ties), never overflowing. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables top-p;
     ``min_p == 0`` disables min-p. ``seed`` gives the request its own random stream, so the same seed gives the
     same output without speculation. With speculation, verification draws from the stream as many numbers as the
     step verifies drafts, so the output repeats when the drafts do: a fixed draft count (``adaptive=False``) and a

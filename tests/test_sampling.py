@@ -69,6 +69,14 @@ def test_temperature_scales_logits():
     for t in (0.3, 1.0, 2.5):
         probs = logits_to_probs(logits, build([SP(temperature=t)]))
         torch.testing.assert_close(probs, torch.softmax(logits / t, -1))
+    # a positive temperature however small keeps the largest logits (ties shared), never NaN: logits / T once
+    # overflowed to inf below ~1e-37, and a T under float32's range rounded to 0, and the draw picked token 0
+    logits = torch.tensor([[1.0, 30.0, 29.0, float("-inf")], [5.0, 2.0, 5.0, 0.0]])
+    for t in (1e-5, 1e-40, 5e-324):
+        batch = build([SP(temperature=t, seed=1)] * 2, seeds=[1, 1])
+        probs = logits_to_probs(logits, batch)
+        torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]]))
+        assert sample(probs, batch).tolist()[0] == 1
 
 
 LOG_P = torch.tensor([0.05, 0.5, 0.15, 0.3]).log()  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
