@@ -280,6 +280,17 @@ def test_bad_allowed_token_ids_and_bad_words_are_clear_errors(kw, match):
 def test_allowed_token_ids_outside_the_vocabulary_are_refused_at_admission(plain):
     with pytest.raises(ValueError, match="allowed_token_ids contains"):
         plain.generate("hi", SamplingParams(allowed_token_ids=[1, 10_000]), use_tqdm=False)
+    # allowed tokens that all end the request, banned before min_tokens outputs, leave nothing: refused (a step once
+    # drew token 0, outside them); with ignore_eos, EOS is allowed from the start
+    eos = plain.engine.eos_token_ids
+    for kw in (dict(allowed_token_ids=sorted(eos)), dict(allowed_token_ids=[7], stop_token_ids=[7]),
+               dict(allowed_token_ids=[7, *eos], stop_token_ids=[7], ignore_eos=False)):
+        with pytest.raises(ValueError, match=r"allowed_token_ids=.* end the request.* min_tokens=3"):
+            plain.generate("hi", SamplingParams(min_tokens=3, max_tokens=4, **kw), use_tqdm=False)
+    assert not plain.engine.has_unfinished_requests()
+    out = plain.generate("hi", SamplingParams(allowed_token_ids=sorted(eos), min_tokens=3, max_tokens=4,
+                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(eos) and len(out.token_ids) == 4
 
 
 @pytest.mark.parametrize("kw, field", [(dict(presence_penalty=2.5), "presence_penalty"),

@@ -162,7 +162,7 @@ class LLMEngine:
         routed = self._admit_method(params)
         grammar = (None if params.structured_outputs is None
                    else self.structured.grammar(params.structured_outputs, prompt_token_ids))
-        _check_token_constraints(params, grammar)
+        _check_token_constraints(params, grammar, request.min_tokens_banned())
         self.scheduler.add_request(request)  # validates every field, the prediction's ids too
         if unused_prediction:  # not carried with the request's drafts every step
             params.prediction = None
@@ -1198,10 +1198,13 @@ def _carries_state(plan: StepPlan) -> bool:
                 or plan.kv_moves)
 
 
-def _check_token_constraints(params: SamplingParams, grammar: RequestGrammar | None) -> None:
+def _check_token_constraints(params: SamplingParams, grammar: RequestGrammar | None,
+                             min_tokens_banned: list[int] = ()) -> None:
     """A ValueError for constraints that leave the first output token nothing to be: ``allowed_token_ids`` all banned
-    by one-token ``bad_words``, or none of them allowed by the structured output's grammar (which would otherwise
-    sample a token of no probability, and fail the request after it started)."""
+    by one-token ``bad_words``, or before ``min_tokens`` outputs by those and the tokens that would end the request
+    (``min_tokens_banned``: its stop token ids, EOS unless ``ignore_eos``), or none of them allowed by the structured
+    output's grammar (each of which would otherwise sample a token of no probability: one outside
+    ``allowed_token_ids``, or fail the request after it started)."""
     allowed = params.allowed_token_ids
     if allowed is None:
         return
@@ -1209,6 +1212,11 @@ def _check_token_constraints(params: SamplingParams, grammar: RequestGrammar | N
     if set(allowed) <= banned:
         raise ValueError(f"allowed_token_ids={list(allowed)[:8]} are all banned by bad_words={params.bad_words!r}: "
                          "nothing is left to sample; allow other tokens or drop those bad words")
+    if set(allowed) <= banned | set(min_tokens_banned):
+        raise ValueError(f"allowed_token_ids={list(allowed)[:8]} are all tokens that end the request (stop_token_ids, "
+                         f"EOS unless ignore_eos{', or bad_words' if banned else ''}), which get no probability "
+                         f"before min_tokens={params.min_tokens} outputs: nothing is left to sample; allow other "
+                         "tokens, set min_tokens=0, or ignore_eos=True where EOS is what they allow")
     if grammar is None:
         return
     row = grammar.mask_row()  # bit t of word t // 32: the grammar allows token t first
