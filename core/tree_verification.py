@@ -157,7 +157,7 @@ def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int
     (T = sum_b (k_b + 1)). draft_token_ids[b], draft_parents[b]: request b's k_b tokens and parents
     (-1 = the root, else an earlier node). A chain is parents = [-1, 0, 1, ..., k - 2]. draft_probs[b]: the
     drafter's q [k_b + 1, V'] (V' <= V) at each of request b's rows, when it drew each row's children from it
-    without replacement, else None.
+    without replacement, else None (a request without nodes has none: it is verified by coupling).
     """
     counts = [len(d) for d in draft_token_ids]
     assert len(draft_parents) == len(counts) and [len(p) for p in draft_parents] == counts, (counts, draft_parents)
@@ -181,6 +181,9 @@ def pad_tree_drafts(logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int
     max_depth = max((max(d, default=0) for d in depths), default=0)
     q, has_q = None, None
     has_q_rows = None
+    if draft_probs is not None:  # a request without nodes samples its token as one without q does (coupled, keyed):
+        # the same token whether or not a request beside it brings a q this step
+        draft_probs = [x if k else None for x, k in zip(draft_probs, counts)]
     if draft_probs is not None and any(x is not None for x in draft_probs):
         assert len(draft_probs) == B, (len(draft_probs), B)
         q = torch.zeros(B, K + 1, V, device=device)

@@ -203,7 +203,8 @@ def pad_drafts(
 
     logits [T, V]: request b's k_b + 1 logit rows, requests back to back (T = sum_b (k_b + 1)).
     draft_token_ids: request b's k_b drafts. draft_probs: request b's q [k_b, V'] (V' <= V) or None; requests
-    without q get one-hot q on their drafts when some other request has q, and q is None when none has.
+    without q get one-hot q on their drafts when some other request has q, and q is None when none has. A request
+    with no drafts has none (it is verified by coupling, as without a drafter).
 
     Padding repeats a request's last row / last draft; :func:`verify` masks it out.
     Usage: ``pd = pad_drafts(...); verify(*pd[:4], batch, draft_counts=pd.draft_counts, has_q=pd.has_q)``.
@@ -221,7 +222,10 @@ def pad_drafts(
     draft_ids = torch.tensor(ids, dtype=torch.long, device=device).view(B, K)
     num_drafts = torch.tensor(counts, dtype=torch.long, device=device)
     q = None
-    if draft_probs is not None and K > 0 and any(x is not None for x in draft_probs):
+    if draft_probs is not None:  # a request without drafts samples its token as one without q does (coupled, keyed):
+        # the same token whether or not a request beside it brings a q this step
+        draft_probs = [x if k else None for x, k in zip(draft_probs, counts)]
+    if draft_probs is not None and any(x is not None for x in draft_probs):
         assert len(draft_probs) == B
         q = torch.zeros(B, K, V, device=device)
         one_hot: list[tuple[int, int, int]] = []  # (b, i, x_i) of the requests without q

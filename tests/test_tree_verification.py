@@ -503,6 +503,14 @@ def test_zero_drafts_everywhere_is_plain_sampling():
     assert kept == [[t] for t in plain_tokens(logits, params, [5, 6, 7])] and nodes == [[], [], []]
     assert kept[2] == [int(logits[2].argmax())]
     assert v.output_tokens.shape == (3, 1) and v.path_rows.tolist() == [[0]] * 3
+    # a request with a q but no nodes this step, beside a tree drawn from q: coupled still (not the q path's race),
+    # so a seeded request's token does not depend on what runs beside it
+    rows = torch.cat([logits[:1], torch.randn(3, 50)])
+    probs = [torch.softmax(torch.randn(1, 50), -1), torch.softmax(torch.randn(3, 50), -1)]
+    two = SamplingBatch.build([params[0], SP(seed=4)], [make_generator(1, "cpu"), make_generator(4, "cpu")], "cpu",
+                              positions=[5, 2])
+    kept, *_ = unpad_tree(verify_tree(pad_tree_drafts(rows, [[], [3, 4]], [[], [-1, -1]], probs), two), None)
+    assert kept[0] == [plain_tokens(logits, params, [5, 6, 7])[0]]
 
 
 def test_mixed_greedy_sampled_and_empty_rows():

@@ -320,6 +320,16 @@ def test_zero_drafts_is_plain_sampling():
     expected = sample_by_inversion(logits_to_probs(logits[:, 0], keyed), u)
     assert torch.equal(out[:, 0], expected) and n.tolist() == [0, 0, 0]
     assert expected[2] == logits[2, 0].argmax()
+    # beside a request whose drafts have a q, a request with a q but no drafts this step (a draft model's, at its
+    # output's end) samples the same token: coupled, not the q path's race (which made a seeded request's last
+    # token differ alone and in a batch)
+    rows = torch.cat([logits[0], torch.randn(3, 50)])  # request 0: no drafts, one row; request 1: 2 drafts
+    pd = pad_drafts(rows, [[], [4, 5]], [torch.zeros(0, 50), torch.softmax(torch.randn(2, 50), -1)])
+    for other in (SP(seed=5), SP(temperature=0.0)):
+        batch = SamplingBatch.build([params[0], other], [make_generator(1, "cpu"), make_generator(5, "cpu")], "cpu",
+                                    positions=[7, 3])
+        out, n = verify(*pd[:4], batch, draft_counts=pd.draft_counts, has_q=pd.has_q)
+        assert out[0, 0] == expected[0] and n[0] == 0
 
 
 def test_p_equals_q_accepts_everything():
