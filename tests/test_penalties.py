@@ -355,11 +355,17 @@ def test_min_tokens_keeps_ending_tokens_away_until_then(tiny_llama_dir, plain, s
         assert [eos_min.token_ids, eos_plain.token_ids, stop_min.token_ids, ignoring.token_ids] == want
 
 
-def test_min_tokens_above_max_tokens_is_a_clear_error():
+def test_min_tokens_above_max_tokens_is_a_clear_error(plain):
     with pytest.raises(ValueError, match="min_tokens=5 exceeds max_tokens=4"):
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=-1)
+    # max_tokens left unset: the context's room, which the message names (not "raise max_tokens", never given)
+    prompt = [5] * 200  # of max_model_len=256: 56 tokens left
+    with pytest.raises(ValueError, match=r"min_tokens=60 exceeds the 56 output tokens max_model_len=256 leaves after "
+                                         r"the 200-token prompt \(max_tokens=None\); lower min_tokens or shorten"):
+        plain.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=None, min_tokens=60), use_tqdm=False)
+    assert not plain.engine.has_unfinished_requests()
 
 
 def test_the_draft_model_drafts_from_penalized_logits(tiny_llama_dir, plain):

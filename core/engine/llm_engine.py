@@ -153,6 +153,10 @@ class LLMEngine:
         prompt_token_ids = params.prompt_tokens(prompt_token_ids)
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(prompt_token_ids), 1)
+            if params.min_tokens > params.max_tokens:  # (not "raise max_tokens": the caller left it unset)
+                raise ValueError(f"min_tokens={params.min_tokens} exceeds the {params.max_tokens} output tokens "
+                                 f"max_model_len={self.max_model_len} leaves after the {len(prompt_token_ids)}-token "
+                                 "prompt (max_tokens=None); lower min_tokens or shorten the prompt")
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_word_sequences(self.tokenizer, params.bad_words)
         if params.lora_request is not None:
