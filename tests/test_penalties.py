@@ -291,6 +291,17 @@ def test_allowed_token_ids_outside_the_vocabulary_are_refused_at_admission(plain
     out = plain.generate("hi", SamplingParams(allowed_token_ids=sorted(eos), min_tokens=3, max_tokens=4,
                                               ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert set(out.token_ids) <= set(eos) and len(out.token_ids) == 4
+    # all of them banned later (a two-token bad word, and EOS before min_tokens): the request fails alone, refused,
+    # where a step gave token 0, outside them, and went on
+    words = dict(bad_words=["7 7"], bad_words_token_ids=[[7, 7]], max_tokens=4)
+    outs = plain.generate(["hi", "hi"], [SamplingParams(allowed_token_ids=[7], ignore_eos=True, **words),
+                                         SamplingParams(allowed_token_ids=[7, *eos], min_tokens=3, **words)],
+                          use_tqdm=False)
+    for out, by in zip(outs, ("bad_words", "min_tokens=3")):
+        assert out.refused and out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids[0] == 7, out
+        assert f"allowed_token_ids=[{7}" in out.error and "all banned after 1 output tokens by" in out.error, out
+        assert by in out.error
+    assert not plain.engine.has_unfinished_requests() and not plain.engine._bounded
 
 
 @pytest.mark.parametrize("kw, field", [(dict(presence_penalty=2.5), "presence_penalty"),

@@ -109,6 +109,8 @@ class LLMEngine:
         # tokens this step (not a drafter's: the draft policy and the drafter learn nothing from them)
         self.structured = StructuredOutputs(tokenizer, vocab_size, eos_token_ids, reasoning_parser=reasoning_parser)
         self._grammars: dict[str, RequestGrammar] = {}
+        # requests whose allowed_token_ids bad_words or min_tokens may ban whole: the output tokens checked so far
+        self._bounded: dict[str, int] = {}
         self._forced: set[str] = set()
         self._kept_nodes: dict[str, list[int]] = {}  # a tree the grammar pruned: the proposal's nodes it kept
         self.forced_draft_limit = FORCED_DRAFT_LIMIT  # (0: none; benchmarks compare)
@@ -172,6 +174,8 @@ class LLMEngine:
             params.prediction = None
         if grammar is not None:
             self._grammars[req_id] = grammar
+        if params.allowed_token_ids is not None and (params.bad_words_token_ids or params.min_tokens):
+            self._bounded[req_id] = 0
         if routed:
             self.drafter = self.router
         detok = None
@@ -348,6 +352,7 @@ class LLMEngine:
         whose grammar refused a token (req_id -> why: the caller fails them, :meth:`_fail`)."""
         touched = self.scheduler.update_from_output(plan, result)
         refused = self._advance_grammars(touched)
+        refused.update(self._check_bounded(touched))
         self._keep_worker_drafts(result)
         self._stop_worker_drafting(result.drafting_failed)
         self._record_logprobs(plan, result)
@@ -672,6 +677,36 @@ class LLMEngine:
                 if grammar.terminated:
                     self.scheduler.finish_request(request.req_id, grammar.num_tokens)
                     break
+        return refused
+
+    def _check_bounded(self, touched: list[Request]) -> dict[str, str]:
+        """Fail a request whose ``allowed_token_ids`` were all banned at a position (by ``bad_words`` sequences,
+        or before ``min_tokens`` outputs by its ending tokens): no token had any probability there, and the step
+        gave one outside them (token 0). Returned as req_id -> why, for :meth:`_fail`, as a grammar's refusals."""
+        refused: dict[str, str] = {}
+        if not self._bounded:
+            return refused
+        for request in touched:
+            checked = self._bounded.get(request.req_id)
+            if checked is None:
+                continue
+            params, output = request.sampling_params, request.output_token_ids
+            allowed, enders = set(params.allowed_token_ids), set(request.min_tokens_banned())
+            for i in range(checked, len(output)):
+                token = output[i]
+                banned = (i < params.min_tokens and token in enders) or any(
+                    len(seq) <= i + 1 and output[i + 1 - len(seq): i + 1] == seq
+                    for seq in params.bad_words_token_ids or ())
+                if token not in allowed or banned:
+                    by = ([f"bad_words={params.bad_words!r}"] if params.bad_words else []) + (
+                        [f"min_tokens={params.min_tokens} (the tokens that end the request)"] if params.min_tokens
+                        else [])
+                    refused[request.req_id] = (
+                        f"allowed_token_ids={list(params.allowed_token_ids)[:8]} were all banned after {i} output "
+                        f"tokens by {' and '.join(by)}: nothing was left to sample (token {token} came out); allow "
+                        "more tokens")
+                    break
+            self._bounded[request.req_id] = len(output)
         return refused
 
     def _as_priced(self, made: list[int] | DraftTree) -> list[int] | DraftTree:
@@ -1056,6 +1091,7 @@ class LLMEngine:
         for rid in req_ids:
             tracked = self.tracked.pop(rid, None)
             self._grammars.pop(rid, None)
+            self._bounded.pop(rid, None)
             self._undrafted.discard(rid)
             self._head_failed.discard(rid)
             if told is not None and tracked is not None and tracked.request.finish_reason in ("stop", "length"):
