@@ -431,13 +431,16 @@ class _GenerationRequest(_Strict):
         """OpenAI's keys are token ids written as strings: {"50256": -100}."""
         if value is None:
             return value
-        out = {}
+        out, keys = {}, {}
         for key, bias in value.items():
             if not key.strip().isdigit():
                 raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
-            out[int(key)] = bias
+            token = int(key)
+            if token in out:  # one bias would be dropped unseen
+                raise ValueError(f"keys {keys[token]!r} and {key!r} both name token {token}; give each token once")
+            out[token], keys[token] = bias, key
         return out
 
     @property

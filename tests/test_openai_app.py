@@ -1179,6 +1179,12 @@ def test_vllm_request_options_reach_the_engine():
         ids, params = fake.seen[-1]
         assert ids == FakeTokenizer().encode(long)[-10:] and params.truncate_prompt_tokens == 10
         assert params.skip_special_tokens is False and params.include_stop_str_in_output is True
+        # OpenAI's logit_bias: token ids as strings, read as ints; two keys of one token (one bias dropped) a 400
+        status, resp = http_json(base + "/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                            "logit_bias": {"5": 1, " 7": -2.5}})
+        assert status == 200 and fake.seen[-1][1].logit_bias == {5: 1.0, 7: -2.5}
+        status, err = error_of(http_json(base + "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1, "05": 2}}))
+        assert status == 400 and err["param"] == "logit_bias" and "'5' and '05' both name token 5" in err["message"]
         chat = {"messages": [{"role": "user", "content": "hi"}]}
         plain = http_json(base + "/tokenize", chat)[1]["tokens"]
         greeted = http_json(base + "/tokenize", {**chat, "chat_template_kwargs": {"greeting": "hey "}})[1]["tokens"]
