@@ -90,12 +90,12 @@ class SamplingBatch:
         device = torch.device(device)
         greedy = [sp.greedy for sp in params]
         # One host-to-device copy for all five per-row tensors.
-        # a temperature under float32's smallest normal would round to 0 (or a subnormal) on the device: any
-        # positive temperature that small already keeps only the row's largest logits (logits_to_probs)
+        # a temperature or top_p under float32's smallest normal would round to 0 (or a subnormal) on the device:
+        # any positive one that small already keeps only the row's largest logits (top_p: its most likely token)
         table = torch.tensor(
             [[1.0 if g else max(sp.temperature, _TINY) for sp, g in zip(params, greedy)],
              [float(sp.top_k) for sp in params],
-             [sp.top_p for sp in params],
+             [max(sp.top_p, _TINY) for sp in params],
              [sp.min_p for sp in params],
              [float(g) for g in greedy]],
             dtype=torch.float32,

@@ -19,13 +19,14 @@ class SamplingParams:
     """How to sample one request.
 
     ``temperature == 0`` is greedy; a positive temperature however small samples among the largest logits (their
-    ties), never overflowing. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables top-p;
-    ``min_p == 0`` disables min-p. ``seed`` gives the request its own random stream, so the same seed gives the
-    same output without speculation. With speculation, verification draws from the stream as many numbers as the
-    step verifies drafts, so the output repeats when the drafts do: a fixed draft count (``adaptive=False``) and a
-    drafter whose proposals depend on the request alone. Adaptive drafting sizes drafts by the measured cost of a
-    step and what the engine has learnt, and a shared n-gram pool or suffix tree by other requests' text, so there a
-    seeded request's output can differ from run to run (each one an exact sample of the target).
+    ties), never overflowing. ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` disables top-p (however small, it
+    keeps the most likely token); ``min_p == 0`` disables min-p. ``seed`` gives the request its own random stream,
+    so the same seed gives the same output without speculation. With speculation, verification draws from the stream
+    as many numbers as the step verifies drafts, so the output repeats when the drafts do: a fixed draft count
+    (``adaptive=False``) and a drafter whose proposals depend on the request alone. Adaptive drafting sizes drafts
+    by the measured cost of a step and what the engine has learnt, and a shared n-gram pool or suffix tree by other
+    requests' text, so there a seeded request's output can differ from run to run (each one an exact sample of the
+    target).
 
     ``logprobs=k`` (k >= 0, or -1 for the whole vocabulary, as vLLM's) returns, for every output token, a dict
     {token_id: :class:`~specray.outputs.Logprob`} holding the chosen token and the k most likely tokens, and

@@ -98,6 +98,7 @@ LOG_P = torch.tensor([0.05, 0.5, 0.15, 0.3]).log()  # sorted: 1 (0.5), 3 (0.3), 
         (SP(min_p=0.5), {1, 3}),  # threshold 0.25
         (SP(min_p=0.7), {1}),  # threshold 0.35
         (SP(min_p=1.0), {1}),
+        (SP(top_p=1e-50), {1}),  # 0 in float32: once no token kept, NaN probs (token 0 drawn)
         # top-p acts on the top-k renormalized probs: {0.5, 0.3, 0.15}/0.95 reaches 0.83 after two tokens
         # (on the raw probs it would need three).
         (SP(top_k=3, top_p=0.83), {1, 3}),
