@@ -315,7 +315,41 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
     if rank > max_rank:
         raise ValueError(f"lora adapter {path!r} has rank {rank}, above max_lora_rank={max_rank}; start the engine "
                          f"with max_lora_rank >= {rank}")
+    if shapes is not None:  # at admission: the tensors themselves, which each rank then loads unchecked
+        check_values(path, weights)
     return AdapterInfo(str(folder), float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False)), ranks)
+
+
+def check_values(path: str, weights: Path) -> None:
+    """ValueError unless every LoRA matrix in ``weights`` reads whole (a file cut short passes the header's check)
+    and is floating point with finite values: a NaN or an infinity would reach the other requests of its steps (each
+    row computes every slot's columns) and, through the K/V it writes, later requests reusing its KV blocks."""
+    import torch  # only here: this module stays importable without torch
+
+    if weights.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(str(weights), framework="pt", device="cpu") as f:
+                tensors = {key: f.get_tensor(key) for key in f.keys()}
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"lora adapter {path!r}: {weights.name} cannot be read whole ({e}): save the adapter "
+                             "again") from None
+    else:
+        try:
+            tensors = torch.load(weights, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, ValueError, EOFError) as e:
+            raise ValueError(f"lora adapter {path!r}: {weights.name} cannot be read whole ({e}): save the adapter "
+                             "again") from None
+    for key, tensor in tensors.items():
+        found = module_of(key)
+        if found is None or of_other_tower(found[0]):  # (left out: never loaded)
+            continue
+        if not tensor.is_floating_point():
+            raise ValueError(f"lora adapter {path!r}: {key} has dtype {tensor.dtype}; LoRA matrices are floating "
+                             "point (save the adapter unquantized)")
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"lora adapter {path!r}: {key} holds NaN or infinite values; the adapter cannot "
+                             "serve (retrain it, or save it again from a finite checkpoint)")
 
 
 def check_module(path: str, module: str, shapes: dict[str, tuple[int, int]]) -> None:

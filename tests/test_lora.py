@@ -616,6 +616,14 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
     tensors = load_file(str(head / "adapter_model.safetensors"))
     tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
     save_file(tensors, str(head / "adapter_model.safetensors"))
+    # a header that reads but data cut short, a NaN (it would reach the step's other rows and the KV cache), ints
+    cut, nan, ints = (Path(shutil.copytree(requests[0].lora_path, tmp_path / name)) for name in ("cut", "nan", "ints"))
+    weights = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(weights[: len(weights) - 64])
+    tensors = load_file(str(nan / "adapter_model.safetensors"))
+    save_file({k: v if i else v * float("nan") for i, (k, v) in enumerate(tensors.items())},
+              str(nan / "adapter_model.safetensors"))
+    save_file({k: v.to(torch.int32) for k, v in tensors.items()}, str(ints / "adapter_model.safetensors"))
     with LLM(model=str(tiny_llama_dir), max_model_len=256) as llm:
         with pytest.raises(ValueError, match="enable_lora=True"):
             llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=requests[0])
@@ -626,6 +634,9 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
              (LoRARequest("head", 8, str(head)), "lm_head"),
              (LoRARequest("foreign", 9, str(foreign)), "features: is the adapter for another base model"),
              (LoRARequest("foreign.bin", 10, str(foreign_bin)), "features: is the adapter for another base model"),
+             (LoRARequest("cut", 12, str(cut)), "cannot be read whole"),
+             (LoRARequest("nan", 13, str(nan)), "NaN or infinite values"),
+             (LoRARequest("ints", 14, str(ints)), "dtype torch.int32"),
              (LoRARequest("again", 1, str(big)), "already names")]
     with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_lora_rank=8) as llm:
         llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=requests[0])
