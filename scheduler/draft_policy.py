@@ -121,6 +121,8 @@ class Confidence:
 
     @classmethod
     def of(cls, source, p: float) -> "Confidence":
+        if p != p:  # NaN: a head over a request's non-finite hidden states (that request's output is lost, no more)
+            return cls(source, 0)
         return cls(source, min(max(int(p * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1))
 
     @property

@@ -281,6 +281,7 @@ def test_best_k_equals_its_definition_as_the_cost_model_changes():
 def test_confidence_bins_and_their_priors():
     assert Confidence.of("h", 0.0) == Confidence("h", 0)
     assert Confidence.of("h", 1.0) == Confidence("h", CONFIDENCE_BINS - 1)
+    assert Confidence.of("h", float("nan")) == Confidence("h", 0)  # (a head over NaN hidden states: no crash)
     assert Confidence.of("h", 0.55).bin == 5 and Confidence.of("h", 0.55).prior == pytest.approx(0.55)
     assert Confidence.of("h", 0.3) != Confidence.of("other", 0.3)
     policy, req = DraftLengthPolicy(4), make_req()
