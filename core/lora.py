@@ -355,6 +355,12 @@ def check_values(path: str, weights: Path) -> None:
 def check_module(path: str, module: str, shapes: dict[str, tuple[int, int]]) -> None:
     """ValueError unless ``module`` is a projection the base model applies LoRA to."""
     if module not in shapes:
+        layer = re.match(r"model\.layers\.(\d+)\.", module)
+        layers = {int(found) for found in re.findall(r"^model\.layers\.(\d+)\.", "\n".join(shapes), re.M)}
+        if layer is not None and layers and int(layer[1]) > max(layers):  # a deeper model's
+            raise ValueError(f"lora adapter {path!r} adapts {module!r}, but this model's decoder layers are "
+                             f"model.layers.{min(layers)} to model.layers.{max(layers)}: is the adapter for another "
+                             "base model?")
         kinds = sorted({name.rsplit(".", 1)[-1] for name in shapes})
         raise ValueError(f"lora adapter {path!r} adapts {module!r}, which specray does not apply LoRA to in this "
                          f"model: it adapts the decoder layers' {kinds} (no experts, embeddings or LM head)")

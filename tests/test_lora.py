@@ -624,6 +624,9 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
     save_file({k: v if i else v * float("nan") for i, (k, v) in enumerate(tensors.items())},
               str(nan / "adapter_model.safetensors"))
     save_file({k: v.to(torch.int32) for k, v in tensors.items()}, str(ints / "adapter_model.safetensors"))
+    deeper = Path(shutil.copytree(requests[0].lora_path, tmp_path / "deeper"))  # a layer past the model's last
+    save_file({k.replace(".layers.1.", ".layers.7."): v for k, v in tensors.items()},
+              str(deeper / "adapter_model.safetensors"))
     with LLM(model=str(tiny_llama_dir), max_model_len=256) as llm:
         with pytest.raises(ValueError, match="enable_lora=True"):
             llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=requests[0])
@@ -637,6 +640,8 @@ def test_bad_adapters_are_refused_at_admission(adapters, tiny_llama_dir, make_ti
              (LoRARequest("cut", 12, str(cut)), "cannot be read whole"),
              (LoRARequest("nan", 13, str(nan)), "NaN or infinite values"),
              (LoRARequest("ints", 14, str(ints)), "dtype torch.int32"),
+             (LoRARequest("deeper", 15, str(deeper)), "layers.7.mlp.down_proj', but this model's decoder layers are "
+                                                        "model.layers.0 to model.layers.1: is the adapter for another"),
              (LoRARequest("again", 1, str(big)), "already names")]
     with LLM(model=str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_lora_rank=8) as llm:
         llm.generate(["Hello"], runs.greedy(), use_tqdm=False, lora_request=requests[0])
