@@ -323,7 +323,7 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, int]] | None, max_rank:
 def check_values(path: str, weights: Path) -> None:
     """ValueError unless every LoRA matrix in ``weights`` reads whole (a file cut short passes the header's check)
     and is floating point with finite values: a NaN or an infinity would reach the other requests of its steps (each
-    row computes every slot's columns) and, through the K/V it writes, later requests reusing its KV blocks."""
+    row computes every slot's columns, masked by a multiplication)."""
     import torch  # only here: this module stays importable without torch
 
     if weights.suffix == ".safetensors":

@@ -145,6 +145,12 @@ def test_preemption_keeps_greedy_output(tiny_llama_dir, plain_outputs, spec, cap
     assert token_ids(outs) == plain_outputs
     assert llm.engine.scheduler.num_preemptions > 0
     assert free_blocks(llm) == 40
+    # what earlier owners left in the blocks (a request's NaN K/V, say) is never read: a block is zeroed when a step
+    # first writes it (slots past a context are masked out, but 0 x NaN is NaN); short contexts pad with their own
+    kv = llm.engine.executor.worker.runner.kv_cache
+    for i in range(kv.num_layers):
+        kv.layer(i).fill_(float("nan"))
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == plain_outputs
 
 
 @pytest.mark.parametrize("spec", [NGRAM, "draft_model"])

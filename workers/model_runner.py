@@ -33,7 +33,7 @@ from specray.models.attention import build_attention_metadata
 from specray.models.interface import CausalLM
 from specray.models.gated_deltanet import RecurrentBatch
 from specray.models.kv_cache import (SCRATCH_SLOTS, SLOTS_PER_REQUEST, KVCache, allocate_kv_cache,
-                                     allocate_recurrent_state)
+                                     allocate_recurrent_state, fresh_tail_blocks)
 from specray.models.lora import LoRASlots
 from specray.outputs import SampleLogprobs
 from specray.parallel import TPGroup
@@ -387,6 +387,7 @@ class ModelRunner:
         positions = [p for c in chunks for p in tree_positions(c)] if trees else None
         ancestors = [ancestor_mask(c) for c in chunks] if trees else None
         lora_slots, adapted = self._lora_slots(chunks) if self.lora is not None else ((), False)
+        self.kv_cache.zero_blocks(fresh_tail_blocks(query_lens, starts, tables, self.block_size))
         # a hybrid model's slots and replays (staged for commit: asked for once)
         recurrent = None if self.recurrent is None else self.recurrent.batch(chunks)
         if recurrent is not None:  # requests starting behind cached blocks: their kept states first

@@ -360,7 +360,7 @@ def _plan_short(ids, query_lens, start_positions, context_lens, block_tables, bl
     for b, i in enumerate(ids):
         used = -(-context_lens[i] // block_size)
         blocks.extend(block_tables[i][:used])
-        blocks.extend([0] * (nb - used))
+        blocks.extend(block_tables[i][:1] * (nb - used))  # its own (masked out; another's block 0 may hold a NaN)
         q_len, off = query_lens[i], offsets[i]
         for j in range(q_max):
             jj = min(j, q_len - 1)  # pad rows repeat the last real query (finite softmax, result dropped)

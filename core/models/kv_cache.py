@@ -239,6 +239,22 @@ class HasKVCache(Protocol):
     def bind_kv_cache(self, cache: "KVCache") -> None: ...
 
 
+def fresh_tail_blocks(query_lens: list[int], starts: list[int], tables: list[list[int]], block_size: int
+                      ) -> list[int]:
+    """The blocks a step writes first and only in part: each sequence's last written slot's block where the step
+    also writes its first slot and not its last. Their slots past the step's hold what an earlier owner of the
+    block wrote; a path that reads whole blocks (the short batch's gather) masks them out, but a masked key's weight
+    0 times a NaN left there is NaN, so one request's non-finite K/V would spread to later requests through its
+    freed blocks. Zeroed before the step stores (:meth:`KVCache.zero_blocks`), every slot a sequence's blocks hold
+    is its own or 0: a block's first slot is written by the first step that reaches it."""
+    out = []
+    for q_len, start, table in zip(query_lens, starts, tables):
+        last = start + q_len - 1
+        if last - last % block_size >= start and last % block_size != block_size - 1:
+            out.append(table[last // block_size])
+    return out
+
+
 class KVCache:
     """Every layer's paged cache on one rank: one zeroed tensor ``[layers_in_group, *spec.shape(slots)]`` per
     group of layers with equal slot shapes (masked-out slots must hold finite values), and one view per layer.
@@ -287,6 +303,15 @@ class KVCache:
         device): all sources are read before any destination is written, so the two may overlap."""
         for tensor, dim, _ in self._groups:
             tensor.index_copy_(dim, dst, tensor.index_select(dim, src))
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Zero every layer's slots of ``blocks`` (a step's first write into them; see :func:`fresh_tail_blocks`)."""
+        if not blocks or not self._groups:
+            return
+        device = self._groups[0][0].device
+        index = torch.tensor(blocks, dtype=torch.long, device=device)
+        for tensor, dim, _ in self._groups:
+            tensor.unflatten(dim, (self.num_blocks, self.block_size)).index_fill_(dim, index, 0)
 
     def snapshot(self, slots: torch.Tensor) -> list[torch.Tensor]:
         """A copy of every layer's values at ``slots`` [n]: per layer, ``spec.shape(n)`` (for tests and

@@ -13,7 +13,7 @@ K/V land in its own slots past its tokens (never attended: a row sees positions 
 are rewritten before any row reaches them, as rejected drafts' are) or, past its blocks, in scratch blocks that
 the runner allocates past the block manager's and no request owns. Padding sequences (token 0 at positions
 0 .. Q-1) write only the scratch blocks. Padding rows' outputs are dropped; padding blocks of the gathered context
-point at block 0 and are masked out, as in the eager padded path.
+point at the sequence's first block and are masked out, as in the eager padded path.
 
 Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next) replay too: the runner hands each step's state slots,
 replays and draft counts over as one more static input (:class:`~specray.models.gated_deltanet.RecurrentGraphBatch`)
