@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from specray import LLM, SamplingParams
+from specray.errors import WorkerDiedError
 from specray.kv_blocks import BlockPool
 from specray.scheduler.request import Request
 from specray.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -437,6 +438,38 @@ def test_preempted_requests_resume_from_their_cached_blocks(tiny_llama_dir, unca
         assert runs.token_ids(outs) == uncached
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         assert llm.reset_prefix_cache() and sched.block_manager.num_cached_blocks == 0
+
+
+class _FreshGroupAfterDeath:
+    """The executor, until its next step: that step's rank dies, and the restarted group's KV cache is empty."""
+
+    def __init__(self, inner):
+        self.inner, self.died = inner, False
+
+    def execute(self, plan, draft_probs=None):
+        if not self.died:
+            self.died = True
+            raise WorkerDiedError("target rank 0 died (injected)")
+        return self.inner.execute(plan, draft_probs)
+
+    def restart(self):
+        self.inner.restart()
+        self.inner.collective_rpc(lambda w: [t.zero_() for t, _, _ in w.runner.kv_cache._groups])
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_restarted_worker_group_starts_with_no_cached_blocks(tiny_llama_dir, uncached):
+    """The cached blocks' K/V lived on the group that died: a request after the restart computes its prompt again
+    (reading the new group's empty cache as the old one's would give other tokens)."""
+    with LLM(str(tiny_llama_dir), max_model_len=256, enable_prefix_caching=True) as llm:
+        llm.generate(CACHED_PROMPTS[:1], runs.greedy(16), use_tqdm=False)
+        llm.engine.executor = _FreshGroupAfterDeath(llm.engine.executor)
+        with pytest.raises(WorkerDiedError):
+            llm.generate(CACHED_PROMPTS[1:2], runs.greedy(16), use_tqdm=False)
+        again = llm.generate(CACHED_PROMPTS[:1], runs.greedy(16), use_tqdm=False)
+        assert again[0].num_cached_tokens == 0 and runs.token_ids(again) == uncached[:1]
 
 
 def test_cache_salt_on_the_prompt_or_the_params_separates_tenants(tiny_llama_dir, uncached):

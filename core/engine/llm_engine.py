@@ -439,11 +439,13 @@ class LLMEngine:
         """A worker died mid-step: fail the requests that were running (their KV and sampling state lived on the
         dead group), free their blocks, and restart the group (the Ray executor does it in the background, so
         their callers hear at once). Waiting requests held nothing there: they stay queued and run on the new
-        group (one preempted earlier recomputes its tokens, as after any preemption)."""
+        group (one preempted earlier recomputes its tokens, as after any preemption). The prefix cache is
+        forgotten: its blocks' K/V were on the dead group, and the new group's cache starts empty."""
         err.req_ids = [r.req_id for r in self.scheduler.running]
         logger.error("worker failure (%s): failing %d running requests, keeping %d waiting, restarting the workers",
                      err, len(err.req_ids), self.scheduler.num_waiting)
         self.abort_request(err.req_ids)
+        self.scheduler.reset_prefix_cache()
         self.executor.restart()
 
     def _draft(self, failed: dict[str, str], busy: frozenset[str] = frozenset()) -> dict:
