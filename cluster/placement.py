@@ -40,10 +40,16 @@ def create(bundles: list[dict], strategy: str, role: str, advice: str):
 
     what = f"{len(bundles)} {role} ranks with {bundles[0]} each ({strategy})"
     nodes = capacities()
+    missing = missing_resources(bundles, nodes)
+    if missing and not autoscaling():
+        raise ValueError(f"cannot place {what}: no node of the cluster has {_names(missing)} (the custom "
+                         f"resources its nodes have: {_names(custom_resources(nodes)) or 'none'}; no autoscaler, "
+                         f"{AUTOSCALING_ENV} is not set); start nodes with it (ray start --resources) or change "
+                         f"{_RESOURCE_OPTIONS.get(role, 'the resources asked for')}")
     if not could_ever_fit(bundles, strategy, nodes) and not autoscaling():
         raise ValueError(f"cannot place {what}: the cluster's nodes could never hold them (each node's total, "
                          f"less what the actor placing them and its earlier groups hold: "
-                         f"{[_cpus_gpus(n) for n in nodes]}; no "
+                         f"{[_shown(n, bundles) for n in nodes]}; no "
                          f"autoscaler, {AUTOSCALING_ENV} is not set); {advice}")
     pg = placement_group(bundles, strategy=strategy, name=f"{NAME_PREFIX}:{owner_id()}:{role}:{uuid.uuid4().hex[:8]}")
     if not ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
@@ -119,6 +125,28 @@ def _own_bundles(owner: str) -> list[tuple[str, dict]]:
     return out
 
 
+_RESOURCE_OPTIONS = {"target": "ray_placement.worker_resources", "draft": "ray_placement.drafter_resources"}
+
+
+def missing_resources(bundles: list[dict], nodes: list[dict]) -> list[str]:
+    """The custom resources (not CPU or GPU, which the sizes' own check covers) that ``bundles`` ask for and no node
+    of ``nodes`` has at all: a name no node was started with."""
+    have = {key for node in nodes for key in node}
+    return sorted({key for bundle in bundles for key, amount in bundle.items()
+                   if amount > 0 and key not in have and key not in ("CPU", "GPU")})
+
+
+def custom_resources(nodes: list[dict]) -> list[str]:
+    """The resources of ``nodes`` beside Ray's own (CPU, GPU, memory, object store, node:<ip>, accelerator types)."""
+    own = ("CPU", "GPU", "memory", "object_store_memory")
+    return sorted({key for node in nodes for key in node
+                   if key not in own and not key.startswith(("node:", "accelerator_type:"))})
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(repr(k) for k in keys)
+
+
 def could_ever_fit(bundles: list[dict], strategy: str, nodes: list[dict]) -> bool:
     """Whether ``nodes`` (each its total resources), all empty, could hold ``bundles`` under ``strategy``: on one
     node (STRICT_PACK), each on its own node (STRICT_SPREAD), or anyhow (PACK, SPREAD: a bin packing, solved
@@ -152,5 +180,7 @@ def _fits(need: dict, node: dict) -> bool:
     return all(node.get(k, 0) >= v - 1e-6 for k, v in need.items())  # Ray counts in 1e-4 units; floats round
 
 
-def _cpus_gpus(node: dict) -> dict:
-    return {k: round(node[k], 4) for k in ("CPU", "GPU") if node.get(k)}
+def _shown(node: dict, bundles: list[dict]) -> dict:
+    """A node's CPUs and GPUs, and its amounts of the custom resources ``bundles`` ask for."""
+    asked = sorted({k for b in bundles for k in b} - {"CPU", "GPU"})
+    return {k: round(node[k], 4) for k in ("CPU", "GPU", *asked) if node.get(k)}

@@ -255,6 +255,17 @@ class RayPlacement:
         if self.worker_num_gpus is not None and self.worker_num_gpus < 0:
             raise ValueError(f"ray_placement.worker_num_gpus={self.worker_num_gpus} must be >= 0 "
                              "(or None: 1 per rank when the cluster has GPUs)")
+        ranks = self.worker_resources
+        if ranks is not None and (not isinstance(ranks, (list, tuple)) or not ranks
+                                  or not all(_is_resources(r) for r in ranks)):
+            raise ValueError(f"ray_placement.worker_resources={ranks!r:.100} must be a list of one dict per target "
+                             "rank (tensor_parallel_size x pipeline_parallel_size) of custom resource names to "
+                             "amounts >= 0, e.g. [{'node0': 0.01}, {'node1': 0.01}]; the CPUs and GPUs are "
+                             "worker_num_cpus / worker_num_gpus")
+        if self.drafter_resources is not None and not _is_resources(self.drafter_resources):
+            raise ValueError(f"ray_placement.drafter_resources={self.drafter_resources!r:.100} must be a dict of "
+                             "custom resource names to amounts >= 0, e.g. {'drafter_node': 0.01}; the CPUs and GPUs "
+                             "are drafter_num_cpus / drafter_num_gpus")
 
     @classmethod
     def from_any(cls, value: "RayPlacement | dict[str, Any] | None") -> "RayPlacement":
@@ -264,6 +275,13 @@ class RayPlacement:
             return value
         check_keys("ray_placement", value, {f.name for f in dataclasses.fields(cls)})
         return cls(**value)
+
+
+def _is_resources(value: Any) -> bool:
+    """A dict of custom Ray resources: names (not CPU or GPU, which have options of their own) to amounts >= 0."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and k and k not in ("CPU", "GPU") and isinstance(v, (int, float))
+        and not isinstance(v, bool) and v >= 0 for k, v in value.items())
 
 
 EXECUTOR_BACKENDS = (None, "uni", "ray")
@@ -443,6 +461,11 @@ class EngineArgs:
             if value > 1 and self.distributed_executor_backend == "uni":
                 raise ValueError(f"{name}={value} needs several processes: use distributed_executor_backend='ray' "
                                  "(or leave it None)")
+        ranks = self.ray_placement.worker_resources
+        if ranks is not None and len(ranks) != self.world_size:
+            raise ValueError(f"ray_placement.worker_resources has {len(ranks)} dicts for {self.world_size} target "
+                             f"ranks (tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size}); give one dict per rank")
         if not self.model:
             raise ValueError("model is required: a local HF folder, a .gguf file, or a hub id")
         if isinstance(self.dtype, str):

@@ -678,7 +678,7 @@ def test_bad_tp_size_is_a_clear_error(tiny_llama_dir):
 
 
 def test_could_ever_fit_packs_bundles_into_the_nodes():
-    from specray.cluster.placement import could_ever_fit
+    from specray.cluster.placement import could_ever_fit, custom_resources, missing_resources
 
     two, one_gpu = {"CPU": 2}, {"CPU": 4, "GPU": 1}
     assert could_ever_fit([{"CPU": 1}] * 2, "PACK", [two])
@@ -690,6 +690,12 @@ def test_could_ever_fit_packs_bundles_into_the_nodes():
     assert not could_ever_fit([{"CPU": 1}] * 3, "STRICT_PACK", [two, two])
     assert not could_ever_fit([{"CPU": 1, "GPU": 1}] * 2, "PACK", [one_gpu, two])
     assert not could_ever_fit([{"CPU": 0.5, "node5": 0.01}], "PACK", [two])
+    # a resource no node was started with (a typo, a node not up yet) is named as such (placement.create), not
+    # advised away by CPU counts that would never help
+    nodes = [{"CPU": 2, "node0": 1, "node:127.0.0.1": 1, "memory": 1e9}, {"CPU": 2, "GPU": 1, "node1": 0}]
+    assert missing_resources([{"CPU": 0.5, "gpu_node": 1}, {"CPU": 0.5, "node1": 1}], nodes) == ["gpu_node"]
+    assert missing_resources([{"CPU": 8, "GPU": 2, "node1": 1}], nodes) == []  # too few of these: a size's error
+    assert custom_resources(nodes) == ["node0", "node1"]
 
 
 def test_a_group_the_cluster_can_never_hold_fails_at_once(tiny_llama_dir, monkeypatch):

@@ -1071,3 +1071,17 @@ def test_engine_sizes_must_be_ints(name):
     for bad in ("100", 2.5, True, 0):
         with pytest.raises(ValueError, match=f"{name}={bad!r} must be an int >= 1"):
             EngineArgs(model="m", **{name: bad})
+
+
+def test_ray_placements_custom_resources_are_checked_before_ray_starts():
+    """worker_resources is one dict per target rank: a bare dict (which a TP-1 engine's ranks unpacked as a string),
+    a count that is not the ranks' or CPUs given there are ValueErrors naming it; drafter_resources is one dict."""
+    for bad in ({"node1": 1}, [{"node1": "x"}, {}], [{"CPU": 2}, {}], []):
+        with pytest.raises(ValueError, match=r"ray_placement.worker_resources=.* must be a list of one dict per"):
+            EngineArgs(model="m", tensor_parallel_size=2, ray_placement={"worker_resources": bad})
+    with pytest.raises(ValueError, match=r"worker_resources has 1 dicts for 2 target ranks .*one dict per rank"):
+        EngineArgs(model="m", pipeline_parallel_size=2, ray_placement={"worker_resources": [{"node1": 1}]})
+    with pytest.raises(ValueError, match=r"ray_placement.drafter_resources=\[.* must be a dict of custom"):
+        EngineArgs(model="m", ray_placement={"drafter_resources": [{"node1": 1}]})
+    EngineArgs(model="m", tensor_parallel_size=2, ray_placement={"worker_resources": [{"node0": 1}, {"node1": 0.5}],
+                                                                 "drafter_resources": {"node2": 0.01}})
