@@ -53,7 +53,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 
 from specray.cluster.autoscaling import IN_FLIGHT_METRIC  # noqa: E402
 from specray.cluster.metrics import ENGINE_METRICS, REQUEST_METRICS, ServerMetrics  # noqa: E402
-from specray.cluster.ngram_pool import POOL_NUM_CPUS  # noqa: E402
+from specray.cluster.ngram_pool import POOL_NAMESPACE, POOL_NUM_CPUS  # noqa: E402
 from specray.cluster.placement import autoscaling as placement_autoscaling  # noqa: E402
 from specray.cluster.openai_app import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES, AsyncEngineClient, EngineUnavailableError, RuntimeAdapters, ServerConfig,
@@ -1255,6 +1255,7 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
     runs that this server fits beside it (:func:`check_shared_serve`); a replica's construction error is raised as a
     :class:`ServerStartError` carrying that error."""
     parsed = ServeArgs.from_dict(args)  # bad arguments fail before Ray starts
+    pool_name = parsed.engine_args().ray_placement.pool_name  # the replicas' shared drafter pool, if any
     local = ray_address is None and not os.environ.get("RAY_ADDRESS")  # the head node: this machine
     if local:  # a cluster on this machine loads the model
         check_port_free(host, port)
@@ -1274,7 +1275,7 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         handle = deploy_app(app, name)
         watching = ray.get(stop_signal.wait_watchers.remote(parsed.num_replicas, 10.0))
     except BaseException as err:
-        _stop(started_ray, name, local)
+        _stop(started_ray, name, local, pool_name)
         if blocking and isinstance(err, KeyboardInterrupt):  # Ctrl-C before "serving at" (the proxy may answer
             logger.info("stopped before the server was up")  # already): stopped as a Ctrl-C after it is
             return None
@@ -1290,7 +1291,7 @@ def run_server(args: dict[str, Any] | None = None, host: str = "127.0.0.1", port
         logger.info("shutting down")
         end_open_requests(stop_signal)
     finally:
-        _stop(started_ray, name, local)
+        _stop(started_ray, name, local, pool_name)
     return None
 
 
@@ -1315,20 +1316,43 @@ def check_shared_serve(host: str, port: int, name: str) -> bool:
     return True
 
 
-def _stop(started_ray: bool, name: str, local: bool = True) -> None:
+ENGINE_DEPLOYMENT = SpecrayEngine.__name__  # the engine replicas' deployment, in every application build_app makes
+
+
+def _stop(started_ray: bool, name: str, local: bool = True, pool_name: str | None = None) -> None:
     """Stop what this server started: the local Ray it started (and Serve with it), or on a cluster it joined
     (or a Ray this process was connected to before) its application, and Serve too once no application is left
-    (others' applications keep running); then leave a cluster it joined."""
+    (others' applications keep running), and its replicas' shared drafter pool (``pool_name``; a detached actor)
+    unless another application's engine replicas may share it; then leave a cluster it joined."""
     if started_ray and local:
         serve.shutdown()
         ray.shutdown()
         return
     if name in serve.status().applications:
         serve.delete(name)
-    if not serve.status().applications:
+    applications = serve.status().applications
+    if pool_name is not None and not any(ENGINE_DEPLOYMENT in app.deployments for app in applications.values()):
+        remove_shared_pools(pool_name)
+    if not applications:
         serve.shutdown()
     if started_ray:
         ray.shutdown()
+
+
+def remove_shared_pools(pool_name: str) -> list[str]:
+    """Kill the actors of shared drafter pool ``pool_name`` (one per drafting method; detached, so they outlive
+    the replicas and the job that created them); returns their names."""
+    removed = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        actor_name = actor["name"]
+        if actor["namespace"] == POOL_NAMESPACE and actor_name.startswith("specray-") and actor_name.endswith(
+                f"-pool:{pool_name}"):
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(actor_name, namespace=POOL_NAMESPACE))
+                removed.append(actor_name)
+    if removed:
+        logger.info("removed the shared drafter pool's actors %s", removed)
+    return removed
 
 
 def deploy_app(app: Application, name: str, route_prefix: str = "/"):

@@ -540,6 +540,26 @@ def test_serving_on_a_cluster_it_joined_leaves_others_alone(monkeypatch):
     calls.clear()
     srv._stop(True, "specray")  # the local Ray it started, Serve with it
     assert calls == [("shutdown",), ("ray.shutdown",)]
+    # its replicas' shared drafter pool (a detached actor) goes with its application, unless another application's
+    # engine replicas may share it; another pool name's actors stay
+    named = [{"name": "specray-ngram-pool:shared", "namespace": "specray"},
+             {"name": "specray-suffix-pool:shared", "namespace": "specray"},
+             {"name": "specray-ngram-pool:theirs", "namespace": "specray"}, {"name": "x", "namespace": "other"}]
+    monkeypatch.setattr(srv.ray.util, "list_named_actors", lambda all_namespaces: named)
+    monkeypatch.setattr(srv.ray, "get_actor", lambda name, namespace: name)
+    monkeypatch.setattr(srv.ray, "kill", lambda actor: calls.append(("kill", actor)))
+    engines = SimpleNamespace(deployments={"SpecrayServer": 1, "SpecrayEngine": 1})
+    apps.update(specray=engines, other=engines)
+    calls.clear()
+    srv._stop(True, "specray", local=False, pool_name="shared")
+    assert calls == [("delete", "specray"), ("ray.shutdown",)]  # the other specray application may share it
+    apps["specray"] = engines
+    apps["other"] = SimpleNamespace(deployments={"Something": 1})
+    calls.clear()
+    srv._stop(True, "specray", local=False, pool_name="shared")
+    assert calls == [("delete", "specray"), ("kill", "specray-ngram-pool:shared"),
+                     ("kill", "specray-suffix-pool:shared"), ("ray.shutdown",)]
+    apps.clear()
 
     running = SimpleNamespace(http_config=SimpleNamespace(host="127.0.0.1", port=8124))
     monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda raise_if_no_controller_running: running)
@@ -730,7 +750,8 @@ def test_ctrl_c_during_start_up_stops_what_started(monkeypatch, caplog, blocking
         raise KeyboardInterrupt
 
     monkeypatch.setattr(srv.ray, "get", interrupted)
-    monkeypatch.setattr(srv, "_stop", lambda started_ray, name, local: stopped.append(started_ray and local))
+    monkeypatch.setattr(srv, "_stop",
+                        lambda started_ray, name, local, pool_name: stopped.append(started_ray and local))
     with caplog.at_level(logging.INFO, logger="specray.cluster.serve"):
         if blocking:
             try:
