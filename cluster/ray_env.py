@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
@@ -57,12 +59,21 @@ def ensure_ray(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    if address is None:
-        logger.info("starting a local Ray instance")
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
-        return
-    check_reachable(address)
-    ray.init(address=address, logging_level="WARNING")
+    if address is not None:
+        check_reachable(address)
+    # ray.init replaces the process's SIGTERM handler with its own (sys.exit, behind a C handler that aborts the
+    # process 3 s later): a handler of the caller's own (specray serve's, which stops what started) is put back
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        if address is None:
+            logger.info("starting a local Ray instance")
+            ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+        else:
+            ray.init(address=address, logging_level="WARNING")
+    finally:
+        if callable(previous):  # (set again even where Python's record is unchanged: the C handler is not)
+            signal.signal(signal.SIGTERM, previous)
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -782,3 +783,21 @@ def test_sigterm_or_ctrl_c_before_serve_is_up_ends_the_cli_without_a_traceback(m
     assert main(["serve"]) == 130
     assert "stopped before the server was up" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
+    # ray.init puts a handler of its own in (sys.exit, behind a C handler that aborted the process 3 s later, in the
+    # middle of stopping what started): joining or starting Ray keeps the caller's
+    import ray
+
+    from specray.cluster.ray_env import ensure_ray
+
+    def ray_init(**kwargs):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", ray_init)
+    mine = lambda signum, frame: None  # noqa: E731
+    signal.signal(signal.SIGTERM, mine)
+    try:
+        ensure_ray(None)
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
