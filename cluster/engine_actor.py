@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from specray.engine.async_engine import AsyncLLMEngine
 from specray.cluster.ray_env import ensure_ray, ray
 from specray.cluster import placement as placement_groups
+from specray.cluster.ngram_pool import POOL_NAMESPACE, get_pool_actor, pool_actor_name
 from specray.cluster.remote_errors import raise_remote
 from specray.config import EngineArgs
+from specray.drafters.registry import uses_public_pool
 from specray.engine.builder import build_engine
 from specray.outputs import RequestOutput, SpecStats
 from specray.sampling_params import SamplingParams
@@ -116,6 +118,7 @@ class RayEngineClient:
 
     def __init__(self, args: EngineArgs):
         ensure_ray(args.ray_placement.address)
+        self.pool = claim_pool(args)
         self.actor = ray.remote(EngineActor).options(
             num_cpus=args.ray_placement.engine_num_cpus, max_restarts=0).remote()
         try:
@@ -168,3 +171,20 @@ class RayEngineClient:
             logger.warning("engine actor did not shut down cleanly (%s): killing it", err)
         ray.kill(actor)
         placement_groups.remove_owned(owner)
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            ray.kill(pool)
+
+
+def claim_pool(args: EngineArgs):
+    """The shared drafter pool's actor (``ray_placement.pool_name``) when this engine creates it: the engine's
+    :meth:`RayEngineClient.shutdown` removes it (detached, it would outlive the job). None when the engine uses no
+    pool, or joins one that runs already (a server's, another job's: theirs to remove)."""
+    spec, name = args.speculative_config, args.ray_placement.pool_name
+    if spec is None or name is None or not uses_public_pool(spec):
+        return None
+    try:
+        ray.get_actor(pool_actor_name(name, spec.method), namespace=POOL_NAMESPACE)
+        return None
+    except ValueError:  # none yet
+        return get_pool_actor(name, spec.method)

@@ -924,6 +924,41 @@ def _pool_drafter(pool_name: str, spec: SpeculativeConfig = NGRAM_POOL):
     return RemoteDrafter(spec, ctx, RayPlacement(drafter_num_cpus=0.1, pool_name=pool_name))
 
 
+def test_an_llm_removes_the_shared_pool_it_created(monkeypatch):
+    """The pool's actor is detached (it outlives any one replica): an LLM that created it removes it at shutdown,
+    and leaves one that ran before it (a server's, another job's) alone."""
+    from types import SimpleNamespace
+
+    from specray.cluster import engine_actor
+    from specray.config import EngineArgs
+
+    running, killed = set(), []
+
+    def get_actor(name, namespace):
+        if name not in running:
+            raise ValueError(name)
+        return name
+
+    monkeypatch.setattr(engine_actor.ray, "get_actor", get_actor)
+    monkeypatch.setattr(engine_actor, "get_pool_actor", lambda name, method: running.add(
+        engine_actor.pool_actor_name(name, method)) or engine_actor.pool_actor_name(name, method))
+    monkeypatch.setattr(engine_actor.ray, "kill", killed.append)
+    args = EngineArgs(model="m", distributed_executor_backend="ray", speculative_config=NGRAM_POOL,
+                      ray_placement={"pool_name": "t-llm"})
+    client = object.__new__(engine_actor.RayEngineClient)
+    client.actor, client.pool = None, engine_actor.claim_pool(args)
+    assert client.pool == "specray-ngram-pool:t-llm" and engine_actor.claim_pool(args) is None  # a second joins it
+    monkeypatch.setattr(engine_actor.ray, "get", lambda ref, timeout: None)
+    monkeypatch.setattr(engine_actor.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(engine_actor.placement_groups, "remove_owned", lambda owner: 0)
+    client.actor = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "a1"),
+                                   shutdown=SimpleNamespace(remote=lambda: None))
+    client.shutdown()
+    assert len(killed) == 2 and killed[1] == "specray-ngram-pool:t-llm"  # the engine actor, then the pool
+    unpooled = EngineArgs(model="m", distributed_executor_backend="ray", speculative_config=NGRAM_POOL)
+    assert engine_actor.claim_pool(unpooled) is None
+
+
 def test_shared_pool_lets_a_replica_draft_from_another_replicas_text():
     import ray
 
