@@ -1329,7 +1329,11 @@ def _stop(started_ray: bool, name: str, local: bool = True, pool_name: str | Non
         ray.shutdown()
         return
     if name in serve.status().applications:
-        serve.delete(name)
+        try:
+            serve.delete(name)
+        except TimeoutError:  # Serve waits 60 s; a replica it could not place yet (a busy cluster) holds it up
+            logger.warning("Serve is still deleting application %r (a replica waiting for room on the cluster): it "
+                           "goes once the replica is placed, or with `serve shutdown`", name)
     applications = serve.status().applications
     if pool_name is not None and not any(ENGINE_DEPLOYMENT in app.deployments for app in applications.values()):
         remove_shared_pools(pool_name)

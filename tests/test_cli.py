@@ -541,6 +541,20 @@ def test_serving_on_a_cluster_it_joined_leaves_others_alone(monkeypatch):
     calls.clear()
     srv._stop(True, "specray")  # the local Ray it started, Serve with it
     assert calls == [("shutdown",), ("ray.shutdown",)]
+    # a deletion Serve has not finished in its 60 s (a replica still waiting for room): a warning, not a traceback;
+    # Serve stays for that application
+    apps["specray"] = 1
+
+    def slow_delete(name):
+        calls.append(("delete", name))
+        raise TimeoutError(f"Some of these applications weren't deleted after 60s: {[name]}")
+
+    monkeypatch.setattr(srv.serve, "delete", slow_delete)
+    calls.clear()
+    srv._stop(True, "specray", local=False)
+    assert calls == [("delete", "specray"), ("ray.shutdown",)]
+    monkeypatch.setattr(srv.serve, "delete", lambda name: (calls.append(("delete", name)), apps.pop(name)))
+    apps.clear()
     # its replicas' shared drafter pool (a detached actor) goes with its application, unless another application's
     # engine replicas may share it; another pool name's actors stay
     named = [{"name": "specray-ngram-pool:shared", "namespace": "specray"},
