@@ -2532,6 +2532,33 @@ def test_hf_overrides_change_the_config_every_rank_builds_from(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), hf_overrides=["max_position_embeddings"])
 
 
+def test_hf_overrides_of_rope_keep_the_checkpoints_base(tiny_llama_dir, tmp_path):
+    """RoPE overrides as vLLM's users write them: a new rope_parameters or the old rope_scaling without rope_theta
+    keeps the checkpoint's base (it became 10000, or None and a TypeError), and rope_theta alone changes it (it was
+    ignored); a model with RoPE per kind of layer refuses a bare rope_theta by name."""
+    from specray.models.layers import rope_parameters
+    from specray.models.loader import read_config
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    for overrides, want in (({"rope_parameters": yarn}, ("yarn", 1e6)), ({"rope_scaling": yarn}, ("yarn", 1e6)),
+                            ({"rope_theta": 5e5}, ("default", 5e5)),
+                            ({"rope_parameters": {**yarn, "rope_theta": 2e6}}, ("yarn", 2e6))):
+        params = rope_parameters(read_config(tmp_path, hf_overrides=overrides))
+        assert (params["rope_type"], params["rope_theta"]) == want, (overrides, params)
+    config = {"model_type": "gemma3_text", "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    per_kind = {kind: {"rope_type": "linear", "factor": 2.0} for kind in config["rope_parameters"]}
+    read = read_config(tmp_path, hf_overrides={"rope_parameters": per_kind})
+    assert [rope_parameters(read, kind)["rope_theta"] for kind in per_kind] == [1e4, 1e6]
+    with pytest.raises(ValueError, match=r"rope_theta=500000.0 cannot be set alone .* per kind of layer"):
+        read_config(tmp_path, hf_overrides={"rope_theta": 5e5})
+
+
 @pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "qwen3_5_moe", "nemotron_h"])
 def test_a_gguf_is_converted_a_layer_at_a_time_into_shards(make_tiny_model, tmp_path, gguf_cache, monkeypatch, arch):
     """Converting a GGUF holds a layer's tensors (two while the next is read) at a time, never the model's: with

@@ -351,6 +351,7 @@ def _modelopt_export(folder: Path) -> dict | None:
 
 
 def _override(config: Any, overrides: dict[str, Any]) -> None:
+    rope_before = getattr(config, "rope_parameters", None)
     for name, value in overrides.items():
         current = getattr(config, name, None)
         if isinstance(value, dict) and hasattr(current, "to_dict"):  # a nested config: its own attributes
@@ -360,6 +361,43 @@ def _override(config: Any, overrides: dict[str, Any]) -> None:
             setattr(config, name, value)
         except (AttributeError, TypeError, ValueError) as err:
             raise ValueError(f"hf_overrides: {name}={value!r:.80} cannot be set on the model's config: {err}") from None
+    _keep_rope_base(config, rope_before, overrides)
+
+
+_ROPE_BASE = ("rope_theta", "partial_rotary_factor")  # what a RoPE setting keeps apart from its scaling
+
+
+def _keep_rope_base(config: Any, before: Any, overrides: dict[str, Any]) -> None:
+    """RoPE in ``hf_overrides`` as vLLM's users write it (transformers 4's config kept ``rope_theta`` apart from
+    ``rope_scaling``), on transformers 5's config, which keeps both in ``rope_parameters``: a new ``rope_parameters``
+    or ``rope_scaling`` naming no ``rope_theta`` / ``partial_rotary_factor`` keeps the checkpoint's (transformers
+    would leave it None; read as 10000 it silently changed every rotation), and ``rope_theta`` or
+    ``partial_rotary_factor`` alone is set in ``rope_parameters`` (transformers 5 keeps a bare attribute and rotates
+    by the old value). A model with RoPE per kind of layer (Gemma 3) takes those per kind only."""
+    loose = {key: overrides[key] for key in _ROPE_BASE if key in overrides}
+    replaced = "rope_parameters" in overrides or "rope_scaling" in overrides
+    params = getattr(config, "rope_parameters", None)
+    if not (loose or replaced) or not isinstance(params, dict) or not isinstance(before, dict):
+        return
+    per_kind = bool(before) and all(isinstance(v, dict) for v in before.values())
+    if per_kind and loose:
+        key = next(iter(loose))
+        raise ValueError(f"hf_overrides: {key}={loose[key]!r} cannot be set alone on a model whose RoPE is given per "
+                         f"kind of layer (rope_parameters {sorted(before)}); override rope_parameters with each "
+                         f"kind's {key} instead")
+    params = {kind: dict(value) if isinstance(value, dict) else value for kind, value in params.items()}
+    if per_kind and all(isinstance(v, dict) for v in params.values()):
+        for kind, setting in params.items():
+            for key in _ROPE_BASE:
+                if setting.get(key) is None and before.get(kind, {}).get(key) is not None:
+                    setting[key] = before[kind][key]
+    elif not per_kind:
+        for key in _ROPE_BASE:
+            if key in loose:
+                params[key] = loose[key]
+            elif replaced and params.get(key) is None and before.get(key) is not None:
+                params[key] = before[key]
+    config.rope_parameters = params
 
 
 def load_hf_config(model: str | os.PathLike, config: PlainConfig | None = None,
