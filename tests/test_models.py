@@ -795,6 +795,16 @@ def test_llama_biases_and_explicit_head_dim():
     check_variant(ours, hf)
 
 
+def test_kv_heads_that_do_not_group_the_query_heads_are_named():
+    """4 query heads over 3 KV heads: a ValueError naming both fields and the counts that fit (an AssertionError
+    '(4, 3)' from the attention layer before)."""
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not a multiple of num_key_value_heads=3.*"
+                                         r"one of \[1, 2, 4\]"):
+        LlamaForCausalLM(LlamaConfig(**{**TINY, "num_key_value_heads": 3}), TPGroup.single())
+
+
 # ------------------------------------------------------------------------------------------ KV cache and masks
 
 

@@ -240,6 +240,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup,
                  bias: bool = False):
         self.head_dim = head_dim
+        if num_heads % num_kv_heads:
+            fits = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}:"
+                             f" each key/value head serves a whole group of query heads; the config's num_key_value_heads "
+                             f"must be one of {fits} (k_proj's rows over head_dim={head_dim})")
         self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
         if num_kv_heads >= tp.size:
             self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
