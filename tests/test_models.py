@@ -641,6 +641,16 @@ def test_deepseek_v3_matches_transformers(contiguous, variant):
     check_unordered_router(ours, hf)
 
 
+def test_deepseek_v3_without_shared_experts_matches_transformers():
+    """n_shared_experts=0: no shared MLP (transformers builds one 0 wide; ours was one expert wide, and loading
+    transformers' empty tensors into it failed: 'start (0) + length (32) exceeds dimension size (0)')."""
+    ours, hf = in_memory_pair("deepseek_v3", seed=12, **{**DEEPSEEK, "n_shared_experts": 0})
+    assert all(getattr(layer.mlp, "shared_experts", None) is None for layer in ours.model.layers)
+    ids = tokens(12, 3)
+    paged = Paged(ours)
+    close(paged.step([(ids, 0, paged.table(len(ids)))])[0], hf_logits(hf, ids))
+
+
 # GLM-4.5 at a tiny size: a dense first layer, then experts under DeepSeek-V3's grouped router; q/k/v biases, q/k
 # norms, a head_dim apart from hidden_size / heads, half of each head rotated (the config's default)
 GLM4_MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,

@@ -551,7 +551,8 @@ class SparseMoE(nn.Module):
         self.w2_bias = _param(e, x_dim) if family.biased else None
         self.adds_down_bias = expert_parallel or tp.rank == 0
         count = getattr(config, family.shared_count, None) if family.shared_count else None
-        width = 0 if family.shared is None else getattr(config, family.shared_width) * (count or 1)
+        # (a count of 0: none, as transformers builds them, 0 wide; None or no such field: the width is the whole)
+        width = 0 if family.shared is None else getattr(config, family.shared_width) * (1 if count is None else count)
         if width and family.gateless:
             self.add_module(family.shared, SquaredReluMLP(h, width, tp))
         elif width:  # (Granite's shared MoE: a width of 0 for none)
