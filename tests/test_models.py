@@ -780,6 +780,18 @@ def test_qwen2_sliding_window_layers(contiguous):
     check_variant(ours, hf, contiguous=contiguous)
 
 
+@pytest.mark.parametrize("arch,kind", [("qwen3", "chunked_attention"), ("qwen2", "linear_attention")])
+def test_a_layer_kind_qwen_does_not_have_is_named(arch, kind):
+    """A layer_types entry other than full or sliding attention (transformers fails on it) is refused by name; it
+    was attended as a full layer."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    config = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](
+        **{**TINY, "use_sliding_window": True, "sliding_window": 5, "layer_types": ["sliding_attention", kind]})
+    with pytest.raises(ValueError, match=rf"layer_types\[1\]='{kind}' is not supported for model_type='{arch}'"):
+        get_model_class(config)(config, TPGroup.single())
+
+
 def test_attention_plan_reads_consecutive_blocks_in_place(monkeypatch):
     """Short queries go to the padded batch at short contexts and one at a time at long ones (on CPU); a
     sequence whose blocks are consecutive is read as one view, any other is gathered."""

@@ -78,6 +78,10 @@ USE_BIAS_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "starcoder2")
 # RoPE rotating the pairs (0, 1), (2, 3), ... of the rotated features, not their two halves
 INTERLEAVED_ROPE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "glm", "glm4", "cohere", "cohere2", "cohere2_moe",
                                 "helium")
+# families whose layers are all softmax attention, full or sliding: another kind in layer_types (transformers fails on
+# it) is refused by name rather than attended as full
+PLAIN_LAYER_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "ministral")
+PLAIN_LAYER_TYPES = ("full_attention", "sliding_attention")
 NO_ROPE_MODEL_TYPES = ("smollm3",)  # layers that leave RoPE out where no_rope_layers[i] is 0 (SmolLM3: every 4th)
 
 # checkpoint names a family's releases use for our modules, as (pattern, our name) substitutions (Mixtral's sparse
@@ -183,9 +187,14 @@ def _sliding_window(config, layer: int) -> int | None:
     """Mistral: every layer when ``sliding_window`` is set; Qwen2 (and configs with ``layer_types``): the
     "sliding_attention" layers; Llama: never (transformers' Llama ignores the field)."""
     window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type in PLAIN_LAYER_MODEL_TYPES and layer < len(layer_types or ()) \
+            and layer_types[layer] not in PLAIN_LAYER_TYPES:
+        raise ValueError(f"layer_types[{layer}]={layer_types[layer]!r} is not supported for model_type="
+                         f"{config.model_type!r}; its layers are one of {list(PLAIN_LAYER_TYPES)} (a sliding one "
+                         "attending sliding_window positions back)")
     if window is None or config.model_type == "llama":
         return None
-    layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return window if layer_types[layer] == "sliding_attention" else None
     return window
