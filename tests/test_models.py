@@ -252,6 +252,24 @@ def test_rope_scaling_variants(name):
     check_variant(*in_memory_pair("llama", seed=5, rope_parameters=params))
 
 
+def test_yarn_takes_the_configs_own_original_length_first():
+    """A config's own original_max_position_embeddings (beside a YaRN rope_scaling without one) is the pretrained
+    length, as transformers' standardize_rope_params takes it over the max_position_embeddings a fresh config fills
+    rope_parameters with (we rotated by that: far from transformers' logits)."""
+    from transformers import LlamaConfig
+
+    def kwargs():  # (transformers' model fills in the dict it is given)
+        return {**TINY, "original_max_position_embeddings": 16,
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}
+
+    config = LlamaConfig(**kwargs())  # as read from a config.json: rope_parameters hold the 1024 of max_position...
+    assert config.rope_parameters["original_max_position_embeddings"] == 1024
+    _, hf = in_memory_pair("llama", seed=5, **kwargs())
+    ours = LlamaForCausalLM(config, TPGroup.single())
+    ours.load_weights(hf.state_dict().items())
+    check_variant(ours, hf)
+
+
 def test_dynamic_ntk_rope_matches_token_by_token_past_max_position():
     from transformers import DynamicCache
 

@@ -532,7 +532,8 @@ def rope_parameters(config, layer_type: str | None = None, partial: bool = False
     :func:`rotary_dim`); other callers refuse a factor below 1."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
-    if params and all(isinstance(v, dict) for v in params.values()):
+    per_kind = bool(params) and all(isinstance(v, dict) for v in params.values())
+    if per_kind:
         if layer_type is None or layer_type not in params:
             raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported for this model; "
                              "use a model with one RoPE setting for all layers")
@@ -548,9 +549,14 @@ def rope_parameters(config, layer_type: str | None = None, partial: bool = False
     if params["partial_rotary_factor"] != 1.0 and not partial:
         raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported for "
                          f"model_type={config.model_type!r} (it rotates the whole head)")
-    if params["rope_type"] in ("llama3", "yarn", "longrope"):  # Phi-3 keeps the pretrained length outside
-        params.setdefault("original_max_position_embeddings",
-                          getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        # the pretrained length: a config's own original_max_position_embeddings first (Phi-3 keeps it outside; as
+        # transformers' standardize_rope_params, over one inside rope_parameters), else rope_parameters', else the
+        # config's max_position_embeddings (per kind of layer: rope_parameters' first)
+        outside = getattr(config, "original_max_position_embeddings", None)
+        if outside and not per_kind:
+            params["original_max_position_embeddings"] = outside
+        params.setdefault("original_max_position_embeddings", outside or config.max_position_embeddings)
     if getattr(config, "max_model_len", None):  # the longest sequence served (set_max_model_len): LongRoPE's choice
         params["max_model_len"] = config.max_model_len
     return params
