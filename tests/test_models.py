@@ -485,6 +485,11 @@ def test_qwen3_moe_experts_must_split_over_the_ranks():
         SparseMoE(config, TPGroup(rank=0, size=4), expert_parallel=True)
     with pytest.raises(ValueError, match="moe_intermediate_size=30 is not divisible by tensor_parallel_size=4"):
         SparseMoE(config, TPGroup(rank=0, size=4))
+    # more experts a token than there are: named at build (it was torch's 'selected index k out of range' at the
+    # first forward)
+    config = Qwen3MoeConfig(**{**TINY, **MOE, "num_experts": 4, "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=5 must be between 1 and the 4 experts \(num_experts\)"):
+        SparseMoE(config, TPGroup.single())
 
 
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6,

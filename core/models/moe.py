@@ -450,6 +450,10 @@ class SparseMoE(nn.Module):
         if self.zero_experts < 0:
             raise ValueError(f"{family.zero_experts}={self.zero_experts} must be >= 0 (0 or null: no zero-computation "
                              "experts)")
+        if isinstance(self.top_k, int) and not 0 < self.top_k <= self.num_experts + self.zero_experts:
+            raise ValueError(f"{family.top_k}={self.top_k} must be between 1 and the {self.num_experts} experts "
+                             f"({family.num_experts}) a token can be routed to"
+                             + (f", with {self.zero_experts} zero-computation experts" if self.zero_experts else ""))
         if self.grouped or self.group_limited:
             self.n_group, self.topk_group = config.n_group, config.topk_group
             if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
