@@ -2559,6 +2559,33 @@ def test_hf_overrides_of_rope_keep_the_checkpoints_base(tiny_llama_dir, tmp_path
         read_config(tmp_path, hf_overrides={"rope_theta": 5e5})
 
 
+def test_rope_scaling_stretches_the_longest_sequence_as_vllm_derives_it():
+    """max_model_len's default and bound: factor x the pretrained length under linear, dynamic and YaRN scaling (a
+    Qwen3 with its model card's YaRN serves 4 x 32768, past max_position_embeddings=40960: it was refused), the
+    config's own length otherwise (llama3, per-kind RoPE: already the stretched one)."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from specray.engine.builder import resolve_max_model_len
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192, "rope_theta": 5e5}
+    for rope, want in ((yarn, 131072), ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, 81920),
+                       ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, 81920), (llama3, 40960),
+                       ({"rope_type": "default", "rope_theta": 1e4}, 40960)):
+        config = LlamaConfig(max_position_embeddings=40960, rope_parameters=rope)
+        assert resolve_max_model_len(None, config) == want, rope
+    config = LlamaConfig(max_position_embeddings=40960, rope_parameters=yarn)
+    assert resolve_max_model_len(131072, config) == 131072
+    with pytest.raises(ValueError, match=r"max_model_len=131073 exceeds the model's max_position_embeddings=40960 "
+                                         r"stretched by its rope scaling to 131072; pass max_model_len <= 131072"):
+        resolve_max_model_len(131073, config)
+    gemma3 = Gemma3TextConfig(max_position_embeddings=1024, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    assert resolve_max_model_len(None, gemma3) == 1024
+
+
 @pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "qwen3_5_moe", "nemotron_h"])
 def test_a_gguf_is_converted_a_layer_at_a_time_into_shards(make_tiny_model, tmp_path, gguf_cache, monkeypatch, arch):
     """Converting a GGUF holds a layer's tensors (two while the next is read) at a time, never the model's: with

@@ -22,7 +22,7 @@ from specray.lora import AdapterChecker, LoRAConfig
 from specray.models.registry import multimodal_classes
 from specray.multimodal import MODALITIES, text_only
 from specray.models.cpu_kernels import rows_for
-from specray.models.layers import max_positions, set_max_model_len
+from specray.models.layers import max_positions, rope_scaled_positions, set_max_model_len
 from specray.parallel import stage_layers
 from specray.models.loader import (check_model_path, check_path, check_quantization, load_hf_config, load_tokenizer,
                                    read_config, read_generation_config, resolve_model)
@@ -35,11 +35,16 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
-    limit = max_positions(hf_config)
+    """``requested``, or by default the longest sequence the model serves: its max_position_embeddings, or longer
+    where linear, dynamic or YaRN RoPE scaling stretches it (vLLM's derived length); a ValueError past that."""
+    positions = max_positions(hf_config)
+    stretched = rope_scaled_positions(hf_config)
+    limit = max(positions, stretched or 0)
     if requested is None:
         return limit
     if requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}; "
+        scaled = (f" stretched by its rope scaling to {limit}" if limit > positions else "")
+        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={positions}{scaled}; "
                          f"pass max_model_len <= {limit}")
     return requested
 

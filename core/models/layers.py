@@ -68,6 +68,26 @@ def max_positions(config) -> int:
     return given or DEFAULT_MAX_POSITIONS
 
 
+def rope_scaled_positions(config) -> int | None:
+    """The longest sequence RoPE scaling stretches ``config``'s model to, as vLLM derives it: ``factor`` times the
+    pretrained length (YaRN's ``original_max_position_embeddings``, else ``max_position_embeddings``) for linear,
+    dynamic and YaRN scaling (a Qwen3 given YaRN by its model card: 4 x 32768); None for other RoPE (llama3's and
+    LongRoPE's configs name the stretched length as max_position_embeddings), for none and for RoPE given per kind
+    of layer (Gemma 3's max_position_embeddings is already the stretched one)."""
+    given = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(given, dict) or not given or all(isinstance(v, dict) for v in given.values()):
+        return None
+    try:
+        params = rope_parameters(config, partial=True)
+    except (ValueError, KeyError, TypeError):  # settings the model refuses by name when it is built
+        return None
+    factor = params.get("factor")
+    if params["rope_type"] not in ("linear", "dynamic", "yarn") or not isinstance(factor, (int, float)):
+        return None
+    yarn = params["rope_type"] == "yarn"
+    return int((params["original_max_position_embeddings"] if yarn else max_positions(config)) * factor)
+
+
 def divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}; choose a tensor_parallel_size "
