@@ -518,7 +518,13 @@ def test_gemma3_unsupported_settings_are_named():
 
     for bad, match in (({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
                        ({"hidden_activation": "relu"}, "hidden_activation='relu'"),
-                       ({"use_bidirectional_attention": True}, "use_bidirectional_attention")):
+                       ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+                       # flat settings, to which transformers' config adds its per-kind defaults (then rotating by
+                       # those; we rotated every kind by the flat ones)
+                       ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+                        r"rope_parameters mixes settings per kind of layer \(\['full_attention', "
+                        r"'sliding_attention'\]\) with settings for every layer \(\['factor', 'rope_theta', "
+                        r"'rope_type'\]\)")):
         with pytest.raises(ValueError, match=match):
             Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **GEMMA, **bad}))
 

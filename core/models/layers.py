@@ -263,8 +263,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_heads % num_kv_heads:
             fits = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}:"
-                             f" each key/value head serves a whole group of query heads; the config's num_key_value_heads "
-                             f"must be one of {fits} (k_proj's rows over head_dim={head_dim})")
+                             " each key/value head serves a whole group of query heads; the config's "
+                             f"num_key_value_heads must be one of {fits} (k_proj's rows over head_dim={head_dim})")
         self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
         if num_kv_heads >= tp.size:
             self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
@@ -553,6 +553,11 @@ def rope_parameters(config, layer_type: str | None = None, partial: bool = False
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
     per_kind = bool(params) and all(isinstance(v, dict) for v in params.values())
+    kinds = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if layer_type is not None and kinds and not per_kind:  # (transformers' Gemma 3 config given flat settings)
+        raise ValueError(f"rope_parameters mixes settings per kind of layer ({kinds}) with settings for every layer "
+                         f"({sorted(k for k in params if k not in kinds)}); give each kind its own: "
+                         f"{{{', '.join(repr(k) + ': {...}' for k in kinds)}}}")
     if per_kind:
         if layer_type is None or layer_type not in params:
             raise ValueError(f"per-layer-type rope_parameters {sorted(params)} are not supported for this model; "
