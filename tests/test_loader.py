@@ -2535,7 +2535,7 @@ def test_hf_overrides_change_the_config_every_rank_builds_from(tiny_llama_dir):
 def test_hf_overrides_of_rope_keep_the_checkpoints_base(tiny_llama_dir, tmp_path):
     """RoPE overrides as vLLM's users write them: a new rope_parameters or the old rope_scaling without rope_theta
     keeps the checkpoint's base (it became 10000, or None and a TypeError), and rope_theta alone changes it (it was
-    ignored); a model with RoPE per kind of layer refuses a bare rope_theta by name."""
+    ignored); a model with RoPE per kind of layer refuses a bare rope_theta, or one setting for every kind, by name."""
     from specray.models.layers import rope_parameters
     from specray.models.loader import read_config
 
@@ -2557,6 +2557,9 @@ def test_hf_overrides_of_rope_keep_the_checkpoints_base(tiny_llama_dir, tmp_path
     assert [rope_parameters(read, kind)["rope_theta"] for kind in per_kind] == [1e4, 1e6]
     with pytest.raises(ValueError, match=r"rope_theta=500000.0 cannot be set alone .* per kind of layer"):
         read_config(tmp_path, hf_overrides={"rope_theta": 5e5})
+    with pytest.raises(ValueError, match=r"rope_parameters / rope_scaling \['factor', .*\] give one setting for "
+                                         r"every layer, but this model's RoPE is given per kind of layer"):
+        read_config(tmp_path, hf_overrides={"rope_scaling": yarn})
 
 
 def test_rope_scaling_stretches_the_longest_sequence_as_vllm_derives_it():

@@ -373,7 +373,8 @@ def _keep_rope_base(config: Any, before: Any, overrides: dict[str, Any]) -> None
     or ``rope_scaling`` naming no ``rope_theta`` / ``partial_rotary_factor`` keeps the checkpoint's (transformers
     would leave it None; read as 10000 it silently changed every rotation), and ``rope_theta`` or
     ``partial_rotary_factor`` alone is set in ``rope_parameters`` (transformers 5 keeps a bare attribute and rotates
-    by the old value). A model with RoPE per kind of layer (Gemma 3) takes those per kind only."""
+    by the old value). A model with RoPE per kind of layer (Gemma 3) takes those per kind only (one setting for
+    every kind would rotate its sliding layers by the global layers' scaling; transformers fails on it)."""
     loose = {key: overrides[key] for key in _ROPE_BASE if key in overrides}
     replaced = "rope_parameters" in overrides or "rope_scaling" in overrides
     params = getattr(config, "rope_parameters", None)
@@ -386,7 +387,11 @@ def _keep_rope_base(config: Any, before: Any, overrides: dict[str, Any]) -> None
                          f"kind of layer (rope_parameters {sorted(before)}); override rope_parameters with each "
                          f"kind's {key} instead")
     params = {kind: dict(value) if isinstance(value, dict) else value for kind, value in params.items()}
-    if per_kind and all(isinstance(v, dict) for v in params.values()):
+    if per_kind and not all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"hf_overrides: rope_parameters / rope_scaling {sorted(params)} give one setting for every "
+                         f"layer, but this model's RoPE is given per kind of layer ({sorted(before)}, each its own "
+                         f"base); override rope_parameters as {{{', '.join(repr(k) + ': {...}' for k in before)}}}")
+    if per_kind:
         for kind, setting in params.items():
             for key in _ROPE_BASE:
                 if setting.get(key) is None and before.get(kind, {}).get(key) is not None:
