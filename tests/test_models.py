@@ -1094,6 +1094,22 @@ def test_missing_weight_is_reported():
         ours.load_weights(state.items())
 
 
+@pytest.mark.parametrize("smaller,match", [
+    ({"num_key_value_heads": 1}, r"shape \(32, 64\) does not fit parameter of shape \(16, 64\)"),  # k_proj's rows
+    ({"intermediate_size": 96}, r"shape \(128, 64\) does not fit parameter of shape \(96, 64\)"),  # gate_proj's
+    ({"head_dim": 8}, r"shape \(64, 64\) does not fit parameter of shape \(32, 64\)")],  # q_proj's rows
+    ids=["kv_heads", "intermediate_size", "head_dim"])
+def test_a_checkpoint_wider_than_its_config_is_refused(smaller, match):
+    """A config with fewer KV heads, a narrower MLP or a smaller head_dim than the checkpoint's tensors: refused (the
+    projections read the first rows / columns of the larger tensors and served a wrong model)."""
+    from transformers import LlamaConfig
+
+    _, hf = in_memory_pair("llama")
+    ours = LlamaForCausalLM(LlamaConfig(**{**TINY, **smaller}), TPGroup.single())
+    with pytest.raises(ValueError, match=match):
+        ours.load_weights(hf.state_dict().items())
+
+
 # ------------------------------------------------------------------------------------------ tensor parallel
 
 TP_WORKER = textwrap.dedent("""

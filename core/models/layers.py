@@ -203,11 +203,17 @@ class ColumnParallelLinear(LinearBase):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
-        self._load_rows(param, loaded, 0, self.out_local, self.tp.rank * self.out_local)
+        self._load_rows(param, loaded, 0, self.out_local, self.tp.rank * self.out_local, self.out_local * self.tp.size)
 
-    def _load_rows(self, param: nn.Parameter, loaded: Any, offset: int, size: int, start: int) -> None:
+    def _load_rows(self, param: nn.Parameter, loaded: Any, offset: int, size: int, start: int,
+                   whole: int | None = None) -> None:
         """Rows ``start .. start + size`` of a checkpoint tensor into rows ``offset ..`` of ``param`` (this
-        linear's weight, staged where it keeps integers; its bias; or a LoRA shard)."""
+        linear's weight, staged where it keeps integers; its bias; or a LoRA shard); ``whole``: the rows the
+        checkpoint's tensor must have (a ValueError otherwise: a larger one was read in part, silently)."""
+        if whole is not None and shape_of(loaded)[0] != whole:
+            raise ValueError(f"checkpoint tensor of shape {shape_of(loaded)} does not fit parameter of shape "
+                             f"{(whole, *shape_of(loaded)[1:])}: the checkpoint does not match its config.json (its "
+                             "head counts, head_dim or widths)")
         if param is self.weight:
             if isinstance(loaded, KEPT_TYPES) and self._stage(offset, loaded.rows(start, size)):
                 return
@@ -230,7 +236,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
         size = self.local_sizes[shard_id]
-        self._load_rows(param, loaded, sum(self.local_sizes[:shard_id]), size, self.tp.rank * size)
+        self._load_rows(param, loaded, sum(self.local_sizes[:shard_id]), size, self.tp.rank * size,
+                        self.output_sizes[shard_id])
 
 
 def splits_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> bool:
@@ -276,6 +283,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.total_rows = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         super().__init__(hidden_size, out * tp.size, tp, bias)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
@@ -288,7 +296,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             assert shard_id == "v", shard_id
             offset, size, src = self.q_size + self.kv_size, self.kv_size, self.kv_head_start * self.head_dim
-        self._load_rows(param, loaded, offset, size, src)
+        self._load_rows(param, loaded, offset, size, src, self.total_rows[shard_id])
 
 
 class RowParallelLinear(LinearBase):
@@ -308,7 +316,11 @@ class RowParallelLinear(LinearBase):
         if param is self.bias:  # the bias is added once, after the reduction
             _copy(param, materialize(loaded))
             return
-        start = self.tp.rank * self.in_local
+        start, whole = self.tp.rank * self.in_local, self.in_local * self.tp.size
+        if shape_of(loaded)[-1] != whole:  # (a wider one was read in part, silently)
+            raise ValueError(f"checkpoint tensor of shape {shape_of(loaded)} does not fit parameter of shape "
+                             f"{(*shape_of(loaded)[:-1], whole)}: the checkpoint does not match its config.json (its "
+                             "head counts, head_dim or widths)")
         if param is self.weight:
             if isinstance(loaded, KEPT_TYPES) and self._stage(0, loaded.cols(start, self.in_local)):
                 return
