@@ -1110,6 +1110,17 @@ def test_a_checkpoint_wider_than_its_config_is_refused(smaller, match):
         ours.load_weights(hf.state_dict().items())
 
 
+def test_experts_wider_than_the_config_are_refused():
+    """Qwen3-MoE's experts 32 wide read by a config saying 16: refused (their first 16 rows were read)."""
+    from transformers import Qwen3MoeConfig
+
+    _, hf = in_memory_pair("qwen3_moe", seed=6, **MOE)
+    config = Qwen3MoeConfig(**{**TINY, **MOE, "moe_intermediate_size": 16})
+    with pytest.raises(ValueError, match=r"shape \(32, 64\) does not fit an expert's gate_proj of "
+                                         r"moe_intermediate_size=16"):
+        get_model_class(config)(config, TPGroup.single()).load_weights(hf.state_dict().items())
+
+
 # ------------------------------------------------------------------------------------------ tensor parallel
 
 TP_WORKER = textwrap.dedent("""

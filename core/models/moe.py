@@ -970,6 +970,10 @@ class SparseMoE(nn.Module):
                 return
             # an expert's projection stored otherwise (a Q4_K_M GGUF's 6-bit ffn_down_exps): the block's projection
             self._keep_full_precision((projection,))
+        whole, dim = self.inter_local * (1 if self.expert_parallel else self.tp.size), int(kind == "down_proj")
+        if shape_of(tensor)[dim] != whole:  # (a wider expert was read in part, silently)
+            raise ValueError(f"checkpoint tensor of shape {shape_of(tensor)} does not fit an expert's {kind} of "
+                             f"{self.family.expert_width}={whole}: the checkpoint does not match its config.json")
         if kind == "down_proj":
             _copy(self.w2.data[local], narrow(tensor, 1, start, self.inter_local))
             return
