@@ -782,6 +782,20 @@ LLAMA4 = dict(num_hidden_layers=4, head_dim=16, no_rope_layers=[1, 1, 1, 0], att
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
 
 
+def test_llama4_and_gemma2_lengths_and_caps_of_zero_are_named():
+    """Settings of 0 that would divide by zero or give NaN logits: Llama-4's chunk size and temperature-tuning floor,
+    Gemma 2's final soft cap."""
+    from transformers import Gemma2Config, Llama4TextConfig
+
+    for cls, base, bad, match in (
+            (Llama4TextConfig, LLAMA4, {"attention_chunk_size": 0}, "attention_chunk_size=0 must be a positive"),
+            (Llama4TextConfig, LLAMA4, {"floor_scale": 0}, "floor_scale=0 must be a positive number"),
+            (Gemma2Config, GEMMA2, {"final_logit_softcapping": 0.0}, "final_logit_softcapping=0.0 must be a positive")):
+        config = cls(**{**TINY, **base, **bad})
+        with pytest.raises(ValueError, match=match):
+            get_model_class(config)(config, TPGroup.single())
+
+
 @pytest.mark.parametrize("variant", ["qk-norm", "no-qk-norm", "top-2"])
 def test_llama4_matches_transformers(contiguous, variant):
     """Llama-4 text: chunked local attention on the RoPE layers (chunks of 8), interleaved-pair llama3 RoPE, q/k L2

@@ -564,6 +564,9 @@ class LlamaForCausalLM(nn.Module):
         self.fused = fused_pieces(hf_config)
         self.logits_scaling = multiplier(hf_config, "logits_scaling")
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None) if self.caps_logits else None
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:  # (0: NaN logits)
+            raise ValueError(f"final_logit_softcapping={self.final_logit_softcapping} must be a positive number, or "
+                             "null for no cap")
         self.kv_cache_allocated = False
 
     @property

@@ -41,6 +41,13 @@ class Llama4Attention(nn.Module):
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
         self.temperature = (float(config.attn_scale), float(config.floor_scale)) if (
             config.attn_temperature_tuning and not self.use_rope) else None
+        if self.temperature is not None and not self.temperature[1] > 0:  # (0: NaN logits)
+            raise ValueError(f"floor_scale={config.floor_scale} must be a positive number of positions (Llama 4's: "
+                             "8192), or attn_temperature_tuning=False")
+        chunk = getattr(config, "attention_chunk_size", None)
+        if "chunked_attention" in config.layer_types and not (isinstance(chunk, int) and chunk > 0):
+            raise ValueError(f"attention_chunk_size={chunk!r} must be a positive number of positions (Llama 4's: "
+                             "8192) for the chunked_attention layers of layer_types")
         heads = dict(num_kv_heads=self.num_kv_heads, head_dim=head_dim, kv_head_start=self.qkv_proj.kv_head_start)
         chunked = config.layer_types[layer] == "chunked_attention"
         spec = (ChunkedLocalAttentionSpec(**heads, attention_chunk_size=config.attention_chunk_size) if chunked
