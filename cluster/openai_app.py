@@ -42,7 +42,7 @@ from specray.cluster.reasoning import ReasoningSplitter, reasoning_tokens, start
 from specray.cluster.tool_parsers import (TOOL_CALL_PARSERS, ParsedToolCall, RequiredArrayStreamer, ToolCallStreamer,
                                          parse_tool_calls, tool_call_streamer)
 from specray.drafters.prediction import METHOD as PREDICTION
-from specray.errors import EngineError
+from specray.errors import EngineError, WorkerDiedError
 from specray.multimodal import (TEXT_ONLY, MultiModalInputs, audio_clips, check_placeholders, expand_prompt,
                                 load_audio, load_image, load_video, video_frames)
 from specray.lora import ADAPTER_CONFIG, ADAPTER_NAME, RUNTIME_IDS, LoRARequest, dynamic_lora_id, read_adapter
@@ -1709,6 +1709,10 @@ def to_openai_error(exc: BaseException, structured_param: str | None = None,
         return proto.from_value_error(exc, prompt_param, structured_param)
     if isinstance(exc, EngineUnavailableError):
         return proto.OpenAIError(503, str(exc), "server_error", None, "engine_unavailable")
+    if isinstance(exc, WorkerDiedError) or isinstance(getattr(exc, "cause", None), WorkerDiedError):
+        logger.warning("engine error: %s", exc)  # the engine restarts its workers: a 503 that clients retry
+        return proto.OpenAIError(503, f"a worker of the engine died while serving this request ({exc}); the engine "
+                                 "restarts its workers: retry it", "server_error", None, "engine_unavailable")
     if isinstance(exc, EngineError):
         logger.warning("engine error: %s", exc)
         return proto.server_error(f"the engine failed this request: {exc}; retry it")

@@ -981,7 +981,8 @@ def _leave_after(server: str, body: dict, seconds: float) -> None:
 
 def test_a_client_leaving_is_logged_as_a_departure_not_an_error(caplog):
     """What Serve raises in a request whose client left (on a stream's disconnect check), or whose HTTP proxy died
-    under it (Serve shutting down on Ctrl-C), is no server fault: logged as a departure, without a traceback."""
+    under it (Serve shutting down on Ctrl-C), is no server fault: logged as a departure, without a traceback. A
+    worker's death is a 503 to retry (the engine restarts its workers)."""
     import logging
 
     from ray.exceptions import ActorDiedError
@@ -989,10 +990,15 @@ def test_a_client_leaving_is_logged_as_a_departure_not_an_error(caplog):
 
     import specray.cluster.serve  # noqa: F401  (it names Serve's cancellation to the app)
     from specray.cluster.openai_app import to_openai_error
+    from specray.errors import RequestFailedError, WorkerDiedError
 
     with caplog.at_level(logging.INFO, logger="specray.cluster.openai_app"):
         errors = [to_openai_error(RequestCancelledError("r-1")), to_openai_error(ActorDiedError())]
         assert to_openai_error(RuntimeError("a bug")).status == 500
+    death = WorkerDiedError("target rank 1 died")
+    for raised in (death, RequestFailedError("r-2", death)):  # (the engine fails a running request with it as cause)
+        err = to_openai_error(raised)
+        assert (err.status, err.code) == (503, "engine_unavailable") and "target rank 1 died" in err.message
     assert [(err.status, err.code) for err in errors] == [(499, "client_closed_request")] * 2
     levels = [(r.levelno, r.getMessage(), r.exc_info) for r in caplog.records]
     assert [(level, exc_info) for level, _, exc_info in levels[:2]] == [(logging.INFO, None)] * 2
