@@ -44,7 +44,8 @@ from specray.models import glm4v_video
 from specray.models.aliases import served_as
 from specray.models.glm4 import Glm4ForCausalLM
 from specray.models.glm4_moe import Glm4MoeForCausalLM
-from specray.models.layers import LayerNorm, RMSNorm, _param, mrope_axes, rope_parameters, rotary_dim
+from specray.models.layers import (LayerNorm, RMSNorm, _param, mrope_axes, rope_parameters, rope_per_kind,
+                                   rotary_dim)
 from specray.models.llama import _head_dim
 from specray.models.qwen2_vl_vision import (GatedMLP, Qwen2VLImageEncoder, QwenVLImageProcessor, VisionBlock, _field,
                                             vision_rope)
@@ -61,7 +62,7 @@ def text_view(config: Any, family: str) -> Any:
     other ``head_dim``) and ``mrope_section`` defaulted as transformers does."""
     view = served_as(config, family)
     params = dict(getattr(view, "rope_parameters", None) or {})
-    per_kind = bool(params) and all(isinstance(v, dict) for v in params.values())  # (refused by rope_parameters)
+    per_kind = rope_per_kind(params)  # (refused by rope_parameters)
     if not per_kind and "mrope_section" not in params:
         params["mrope_section"] = list(DEFAULT_MROPE_SECTION)
         view.rope_parameters = params

@@ -68,6 +68,11 @@ def max_positions(config) -> int:
     return given or DEFAULT_MAX_POSITIONS
 
 
+def rope_per_kind(params: Any) -> bool:
+    """Whether RoPE settings (``rope_parameters``) are given per kind of layer (Gemma 3's: a dict of dicts)."""
+    return isinstance(params, dict) and bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
 def rope_scaled_positions(config) -> int | None:
     """The longest sequence RoPE scaling stretches ``config``'s model to, as vLLM derives it: ``factor`` times the
     pretrained length (YaRN's ``original_max_position_embeddings``, else ``max_position_embeddings``) for linear,
@@ -75,7 +80,7 @@ def rope_scaled_positions(config) -> int | None:
     LongRoPE's configs name the stretched length as max_position_embeddings), for none and for RoPE given per kind
     of layer (Gemma 3's max_position_embeddings is already the stretched one)."""
     given = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(given, dict) or not given or all(isinstance(v, dict) for v in given.values()):
+    if not isinstance(given, dict) or not given or rope_per_kind(given):
         return None
     try:
         params = rope_parameters(config, partial=True)
@@ -93,6 +98,15 @@ def divide(n: int, d: int, what: str) -> int:
         raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}; choose a tensor_parallel_size "
                          f"that divides {what}")
     return n // d
+
+
+def check_whole(loaded: Any, shape: tuple[int, ...]) -> None:
+    """ValueError unless a checkpoint tensor has the whole (unsharded) ``shape`` its parameter was built for: a
+    larger one would be read in part, silently (the config's head counts, head_dim or widths smaller)."""
+    if tuple(shape_of(loaded)) != tuple(shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(shape_of(loaded))} does not fit parameter of shape "
+                         f"{tuple(shape)}: the checkpoint does not match its config.json (its head counts, head_dim "
+                         "or widths)")
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -210,10 +224,8 @@ class ColumnParallelLinear(LinearBase):
         """Rows ``start .. start + size`` of a checkpoint tensor into rows ``offset ..`` of ``param`` (this
         linear's weight, staged where it keeps integers; its bias; or a LoRA shard); ``whole``: the rows the
         checkpoint's tensor must have (a ValueError otherwise: a larger one was read in part, silently)."""
-        if whole is not None and shape_of(loaded)[0] != whole:
-            raise ValueError(f"checkpoint tensor of shape {shape_of(loaded)} does not fit parameter of shape "
-                             f"{(whole, *shape_of(loaded)[1:])}: the checkpoint does not match its config.json (its "
-                             "head counts, head_dim or widths)")
+        if whole is not None:
+            check_whole(loaded, (whole, *shape_of(loaded)[1:]))
         if param is self.weight:
             if isinstance(loaded, KEPT_TYPES) and self._stage(offset, loaded.rows(start, size)):
                 return
@@ -317,10 +329,7 @@ class RowParallelLinear(LinearBase):
             _copy(param, materialize(loaded))
             return
         start, whole = self.tp.rank * self.in_local, self.in_local * self.tp.size
-        if shape_of(loaded)[-1] != whole:  # (a wider one was read in part, silently)
-            raise ValueError(f"checkpoint tensor of shape {shape_of(loaded)} does not fit parameter of shape "
-                             f"{(*shape_of(loaded)[:-1], whole)}: the checkpoint does not match its config.json (its "
-                             "head counts, head_dim or widths)")
+        check_whole(loaded, (*shape_of(loaded)[:-1], whole))
         if param is self.weight:
             if isinstance(loaded, KEPT_TYPES) and self._stage(0, loaded.cols(start, self.in_local)):
                 return
@@ -537,7 +546,7 @@ def position_query_scaling(config) -> tuple[float, int] | None:
     """(beta, L0) where the config scales queries by position (``rope_parameters``' ``llama_4_scaling_beta`` and
     ``original_max_position_embeddings``: Mistral 4, Ministral 3), else None (RoPE given per kind of layer: never)."""
     given = getattr(config, "rope_parameters", None) or {}
-    if given and all(isinstance(v, dict) for v in given.values()):
+    if rope_per_kind(given):
         return None
     params = rope_parameters(config, partial=True)
     if params.get("llama_4_scaling_beta") is None:
@@ -564,7 +573,7 @@ def rope_parameters(config, layer_type: str | None = None, partial: bool = False
     :func:`rotary_dim`); other callers refuse a factor below 1."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
-    per_kind = bool(params) and all(isinstance(v, dict) for v in params.values())
+    per_kind = rope_per_kind(params)
     kinds = sorted(k for k, v in params.items() if isinstance(v, dict))
     if layer_type is not None and kinds and not per_kind:  # (transformers' Gemma 3 config given flat settings)
         raise ValueError(f"rope_parameters mixes settings per kind of layer ({kinds}) with settings for every layer "

@@ -87,7 +87,8 @@ from specray.models.fp8_blocks import keeps_block_fp8, pack_block_fp8, random_bl
 from specray.models.w8a8 import FP8, INT8, Format, keeps_w8a8, pack_w8a8, random_w8a8
 from specray.models.moe import SparseMoE, is_expert_tensor, is_per_expert_tensor
 from specray.models.interface import CausalLM
-from specray.models.layers import LinearBase, int_linears, keep_quantized_weights, quantize_linears
+from specray.models.layers import (LinearBase, int_linears, keep_quantized_weights, quantize_linears,
+                                   rope_per_kind)
 from specray.models.plain_config import PlainConfig, plain_config
 from specray.multimodal import VIDEO, text_only
 from specray.models.registry import (get_model_class, multimodal_classes, supported_architectures, text_part,
@@ -380,14 +381,14 @@ def _keep_rope_base(config: Any, before: Any, overrides: dict[str, Any]) -> None
     params = getattr(config, "rope_parameters", None)
     if not (loose or replaced) or not isinstance(params, dict) or not isinstance(before, dict):
         return
-    per_kind = bool(before) and all(isinstance(v, dict) for v in before.values())
+    per_kind = rope_per_kind(before)
     if per_kind and loose:
         key = next(iter(loose))
         raise ValueError(f"hf_overrides: {key}={loose[key]!r} cannot be set alone on a model whose RoPE is given per "
                          f"kind of layer (rope_parameters {sorted(before)}); override rope_parameters with each "
                          f"kind's {key} instead")
     params = {kind: dict(value) if isinstance(value, dict) else value for kind, value in params.items()}
-    if per_kind and not all(isinstance(v, dict) for v in params.values()):
+    if per_kind and not rope_per_kind(params):
         raise ValueError(f"hf_overrides: rope_parameters / rope_scaling {sorted(params)} give one setting for every "
                          f"layer, but this model's RoPE is given per kind of layer ({sorted(before)}, each its own "
                          f"base); override rope_parameters as {{{', '.join(repr(k) + ': {...}' for k in before)}}}")
@@ -396,7 +397,7 @@ def _keep_rope_base(config: Any, before: Any, overrides: dict[str, Any]) -> None
             for key in _ROPE_BASE:
                 if setting.get(key) is None and before.get(kind, {}).get(key) is not None:
                     setting[key] = before[kind][key]
-    elif not per_kind:
+    else:
         for key in _ROPE_BASE:
             if key in loose:
                 params[key] = loose[key]
